@@ -1,0 +1,36 @@
+# The README's two commands are `make demo` and `make test`; each creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of TensorFlow unless an NVIDIA driver is present.
+TF_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(TF_EXTRA)
+
+.PHONY: demo test lint docs bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP) lint
+	$(PY) -m tests.run_suite
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check keras_replicator tests examples $(wildcard benchmarks)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) site .pytest_cache

@@ -1,0 +1,172 @@
+"""Replica-context primitives: the MPI-like set of TF-Replicator.
+
+Call them inside ``strategy.run`` or anywhere Keras runs per replica (``call``,
+``train_step``). Outside a replica of a multi-replica strategy they behave as on
+a single replica: ``all_reduce(x)`` is ``x``, ``replica_id()`` is 0,
+``num_replicas()`` is 1. They accept a tensor or a nested structure of tensors
+(reduced together, in one collective where TensorFlow can pack them) and are
+differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+_OPS = ("sum", "mean", "max", "min")
+
+
+def _replica_context() -> tf.distribute.ReplicaContext | None:
+    """The current replica context, or None in a cross-replica context."""
+    return tf.distribute.get_replica_context()
+
+
+def num_replicas() -> int:
+    """Number of replicas taking part in the current step, across all workers.
+
+    Example:
+        ```python
+        def replica_step(x):
+            return kr.all_reduce(x, "sum") / kr.num_replicas()   # == mean
+        ```
+    """
+    ctx = _replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+def replica_id() -> tf.Tensor:
+    """This replica's global index, ``0 .. num_replicas() - 1``, as an int32 tensor.
+
+    The index is global: on worker ``w`` with ``k`` replicas each, local replica
+    ``i`` is ``w * k + i``.
+
+    Example:
+        ```python
+        def replica_step(x):
+            seed = kr.replica_id()        # a different seed per replica
+            ...
+        ```
+    """
+    ctx = _replica_context()
+    if ctx is None:
+        return tf.constant(0, tf.int32)
+    rid = ctx.replica_id_in_sync_group
+    return tf.cast(rid, tf.int32) if isinstance(rid, tf.Tensor) else tf.constant(rid, tf.int32)
+
+
+def _check_op(op: str) -> str:
+    if not isinstance(op, str) or op.lower() not in _OPS:
+        raise ValueError(f"op must be one of {_OPS}, got {op!r}.")
+    return op.lower()
+
+
+def _check_group_size(group_size: int | None, n: int) -> int | None:
+    if group_size is None or group_size == n:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+    if n % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide the number of replicas ({n}); "
+            "groups are consecutive replicas of equal size."
+        )
+    return group_size
+
+
+def all_reduce(x: Any, op: str = "sum", *, group_size: int | None = None) -> Any:
+    """Reduces ``x`` across replicas; every replica gets the result.
+
+    Example:
+        ```python
+        def replica_step(batch):
+            grads = tape.gradient(loss, model.trainable_variables)
+            grads = kr.all_reduce(grads, "mean")   # identical on every replica
+        ```
+
+    Args:
+        x: a tensor or nested structure of tensors, same shapes on every replica.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        group_size: reduce only within groups of ``group_size`` consecutive
+            replicas (replicas ``0..g-1``, ``g..2g-1``, ...), as grouped batch
+            norm does. ``None`` reduces over all replicas.
+
+    Returns:
+        The reduced value, with the structure of ``x``.
+    """
+    op = _check_op(op)
+    ctx = _replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return x
+    n = ctx.num_replicas_in_sync
+    group_size = _check_group_size(group_size, n)
+    if group_size is None and op in ("sum", "mean"):
+        return ctx.all_reduce(op.upper(), x)
+    # max/min and grouped reductions: gather every replica's value, then reduce
+    # the relevant rows locally. Exact, and differentiable through all_gather.
+    reducer = {
+        "sum": tf.reduce_sum,
+        "mean": tf.reduce_mean,
+        "max": tf.reduce_max,
+        "min": tf.reduce_min,
+    }[op]
+
+    def _one(t):
+        t = tf.convert_to_tensor(t)
+        stacked = ctx.all_gather(t[tf.newaxis], axis=0)  # [n, ...]
+        if group_size is not None:
+            start = (replica_id() // group_size) * group_size
+            stacked = stacked[start : start + group_size]
+        return reducer(stacked, axis=0)
+
+    return tf.nest.map_structure(_one, x)
+
+
+def all_gather(x: Any, axis: int = 0) -> Any:
+    """Concatenates every replica's ``x`` along ``axis``, in replica order.
+
+    Example:
+        ```python
+        def replica_step(batch):
+            logits = model(batch)
+            everything = kr.all_gather(logits)   # [global_batch, classes]
+        ```
+
+    Args:
+        x: a tensor or nested structure of tensors; shapes may differ only
+            along ``axis``.
+        axis: the axis to concatenate along.
+    """
+    ctx = _replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return x
+    return ctx.all_gather(x, axis=axis)
+
+
+def broadcast(x: Any, source_replica: int = 0) -> Any:
+    """Every replica gets ``source_replica``'s value of ``x``.
+
+    Example:
+        ```python
+        def replica_step():
+            noise = tf.random.normal([8])
+            return kr.broadcast(noise, source_replica=0)   # same noise everywhere
+        ```
+
+    Args:
+        x: a tensor or nested structure of tensors, same shapes on every replica.
+        source_replica: the global index of the replica whose value is sent.
+    """
+    n = num_replicas()
+    if isinstance(source_replica, bool) or not isinstance(source_replica, int) or not (
+        0 <= source_replica < n
+    ):
+        raise ValueError(f"source_replica must be an integer in [0, {n}), got {source_replica!r}.")
+    if n == 1:
+        return x
+    is_source = tf.equal(replica_id(), source_replica)
+    # A masked sum: exact for every dtype, and NaN/Inf on other replicas cannot leak in.
+    masked = tf.nest.map_structure(
+        lambda t: tf.where(is_source, t, tf.zeros_like(t)), tf.nest.map_structure(tf.convert_to_tensor, x)
+    )
+    return all_reduce(masked, "sum")

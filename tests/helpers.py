@@ -1,0 +1,76 @@
+"""Shared test helpers (models, data and a subprocess runner)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def regression_data(n=64, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype("float32")
+    y = (x @ rng.normal(size=(d, 1)) + 0.1).astype("float32")
+    return x, y
+
+
+def image_data(n=32, size=8, channels=3, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, size, size, channels)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def dense_model(d=8, seed=1):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((d,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+    )
+
+
+def conv_model(size=8, channels=3, classes=4, seed=1):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((size, size, channels))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.Conv2D(8, 3, strides=2, padding="same", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    outputs = keras.layers.Dense(classes)(h)
+    return keras.Model(inputs, outputs)
+
+
+def run_python(code: str, *, devices: int | None = None, timeout: int = 300, env=None):
+    """Runs ``code`` in a fresh interpreter (own device configuration); returns the result."""
+    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    full_env.pop("KR_TEST_DEVICES", None)
+    prefix = f"import keras_replicator as kr\nkr.simulate_devices({devices})\n" if devices else ""
+    return subprocess.run(
+        [sys.executable, "-c", prefix + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=full_env,
+    )
+
+
+def python_blocks(markdown_path: str) -> list[str]:
+    """The ```python code blocks of a Markdown file, in order."""
+    import re
+
+    with open(os.path.join(ROOT, markdown_path)) as f:
+        text = f.read()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def run_markdown_example(markdown_path: str, index: int = 0, timeout: int = 300):
+    """Runs one code block of a docs page in a fresh interpreter; asserts it succeeds."""
+    code = python_blocks(markdown_path)[index]
+    result = run_python(code, timeout=timeout)
+    assert result.returncode == 0, f"{markdown_path} block {index} failed:\n{result.stderr[-3000:]}"
+    return result

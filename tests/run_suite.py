@@ -1,0 +1,62 @@
+"""Runs the whole suite: one pytest process per simulated device count.
+
+Usage: ``python -m tests.run_suite [pytest args...]`` (``make test`` does this).
+Prints one closing line with the totals, and exits non-zero if any run failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+# Every device count some test module asks for with pytest.mark.devices(n).
+DEVICE_COUNTS = (4, 1, 2)
+
+
+def _counts(junit_path: str) -> dict[str, int]:
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if not os.path.exists(junit_path):
+        return totals
+    root = ET.parse(junit_path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    for suite in suites:
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+    return totals
+
+
+def main(argv: list[str]) -> int:
+    started = time.time()
+    grand = {"passed": 0, "failed": 0, "skipped": 0}
+    worst = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in DEVICE_COUNTS:
+            junit = os.path.join(tmp, f"devices{n}.xml")
+            env = dict(os.environ, KR_TEST_DEVICES=str(n))
+            print(f"\n=== pytest with {n} simulated CPU device(s) ===", flush=True)
+            code = subprocess.call(
+                [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}", *argv], env=env
+            )
+            c = _counts(junit)
+            failed = c["failures"] + c["errors"]
+            grand["passed"] += c["tests"] - failed - c["skipped"]
+            grand["failed"] += failed
+            grand["skipped"] += c["skipped"]
+            if code == 5:  # no test selected for this device count
+                continue
+            worst = worst or code
+    minutes = (time.time() - started) / 60
+    print(f"\nwhole suite: {minutes:.1f} min over device counts {DEVICE_COUNTS}")
+    print(f"{grand['passed']} passed, {grand['failed']} failed, {grand['skipped']} skipped")
+    if grand["passed"] == 0:
+        print("no test ran", file=sys.stderr)
+        return 1
+    return 1 if (worst or grand["failed"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
