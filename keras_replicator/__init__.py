@@ -13,8 +13,15 @@ Example:
     ```
 """
 
-from keras_replicator import testing
-from keras_replicator.cluster import DeviceConfigurationError, local_devices, simulate_devices
+from keras_replicator import applications, callbacks, cluster, data, layers, optimizers, testing
+from keras_replicator.cluster import (
+    ClusterConfigError,
+    ClusterStartupError,
+    DeviceConfigurationError,
+    WorkerLostError,
+    local_devices,
+    simulate_devices,
+)
 from keras_replicator.collectives import (
     all_gather,
     all_reduce,
@@ -22,19 +29,31 @@ from keras_replicator.collectives import (
     num_replicas,
     replica_id,
 )
+from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.strategy import ReplicatorStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterConfigError",
+    "ClusterStartupError",
+    "CrossReplicaOptimizer",
     "DeviceConfigurationError",
     "ReplicatorStrategy",
     "all_gather",
+    "applications",
     "all_reduce",
     "broadcast",
+    "callbacks",
+    "cluster",
+    "data",
+    "layers",
     "local_devices",
     "num_replicas",
+    "optimizers",
     "replica_id",
     "simulate_devices",
     "testing",
+    "WorkerLostError",
+    "wrap_optimizer",
 ]

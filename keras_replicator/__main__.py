@@ -2,6 +2,8 @@
 
 Sub-commands:
     info    the versions and the devices a ReplicatorStrategy would use here.
+    launch  run a script as N local worker processes of one multi-worker job.
+    k8s     print a Kubeflow TFJob manifest running a script on N worker pods.
 """
 
 from __future__ import annotations
@@ -24,6 +26,70 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from keras_replicator import launch
+
+    try:
+        return launch.launch(
+            args.script,
+            args.args,
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            host=args.host,
+            timeout=args.timeout,
+        )
+    except KeyboardInterrupt:  # the workers were stopped on the way out
+        return 130
+
+
+def _k8s(args: argparse.Namespace) -> int:
+    from keras_replicator import launch
+
+    sys.stdout.write(
+        launch.k8s_manifest(
+            args.script,
+            args.args,
+            workers=args.workers,
+            image=args.image,
+            name=args.name,
+            namespace=args.namespace,
+            gpus_per_worker=args.gpus_per_worker,
+            restart_policy=args.restart_policy,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-replicator", description="Replicated training for Keras 3 on TensorFlow."
@@ -33,13 +99,52 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--simulate", type=int, default=0, metavar="N",
                       help="simulate N CPU devices first")
     info.set_defaults(func=_info)
+
+    launch = commands.add_parser(
+        "launch",
+        help="run a script as N local workers of one multi-worker job",
+        description="Runs SCRIPT as N worker processes with TF_CONFIG on free ports of HOST. "
+        "Output lines are prefixed with [worker i]; when a worker fails the others are stopped "
+        "and its exit code is returned. TensorFlow's workers are unauthenticated: keep HOST "
+        "on a private network.",
+    )
+    launch.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    launch.add_argument("--devices-per-worker", type=_positive_int, default=None, metavar="K",
+                        help="simulate K CPU devices in each worker")
+    launch.add_argument("--host", default="127.0.0.1",
+                        help="address the workers reach each other on (default 127.0.0.1)")
+    launch.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                        help="stop every worker after this long and exit with 124")
+    launch.add_argument("script", help="the Python script every worker runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    launch.set_defaults(func=_launch)
+
+    k8s = commands.add_parser(
+        "k8s",
+        help="print a Kubeflow TFJob manifest for the same job",
+        description="Prints a Kubeflow TFJob running SCRIPT (a path inside IMAGE) on N worker "
+        "pods; the training operator sets TF_CONFIG in each. Apply with: kubectl apply -f -",
+    )
+    k8s.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    k8s.add_argument("--image", required=True, help="container image with the script")
+    k8s.add_argument("--name", default="keras-replicator", help="the TFJob's name")
+    k8s.add_argument("--namespace", default=None)
+    k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G")
+    k8s.add_argument("--restart-policy", default="OnFailure",
+                     choices=["OnFailure", "Always", "Never", "ExitCode"])
+    k8s.add_argument("script", help="the script's path inside the image")
+    k8s.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    k8s.set_defaults(func=_k8s)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.exit(2, f"keras-replicator {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,18 @@
-"""Where am I: local devices and simulated CPU replicas.
+"""Where am I: local devices, simulated CPU replicas, and the cluster of a multi-worker job.
 
-The multi-worker resolvers (``TF_CONFIG``, Slurm, explicit) also live here.
+A multi-worker job is described by ``TF_CONFIG`` (Kubeflow, the launcher), by
+Slurm's environment (``srun``), or by an explicit
+``tf.distribute.cluster_resolver.ClusterResolver``; :func:`resolve_cluster`
+picks and checks it, so that a malformed description fails with a clear message
+before any worker waits for another.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
@@ -76,3 +85,385 @@ def local_devices() -> list[str]:
         return [d.name for d in gpus]
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
+
+
+# --- Multi-worker: which cluster am I part of? -------------------------------
+
+# Set by ``keras-replicator launch --devices-per-worker K`` (see launch.py); read
+# when a ReplicatorStrategy is created.
+DEVICES_PER_WORKER_ENV = "KERAS_REPLICATOR_DEVICES_PER_WORKER"
+# Optional first port of a Slurm job's workers on each node (see slurm_cluster).
+SLURM_PORT_BASE_ENV = "KERAS_REPLICATOR_SLURM_PORT_BASE"
+
+# Jobs of a TF_CONFIG cluster that take part in synchronous all-reduce training.
+_TRAINING_JOBS = ("chief", "worker")
+_ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description (``TF_CONFIG``, Slurm, a resolver) is malformed."""
+
+
+class ClusterStartupError(RuntimeError):
+    """The workers of a multi-worker job could not connect to each other in time."""
+
+
+class WorkerLostError(tf.errors.UnavailableError):
+    """A worker of a multi-worker job stopped responding; training stopped.
+
+    A subclass of ``tf.errors.UnavailableError``, so handlers of TensorFlow's
+    own error keep working. ``lost_workers`` names the workers that were lost,
+    e.g. ``["worker 1 (/job:worker/task:1 at 10.0.0.2:2222)"]``.
+
+    Example:
+        ```python
+        try:
+            model.fit(data, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
+        except kr.WorkerLostError as e:
+            print("lost:", e.lost_workers)   # restart the job: it resumes from the backup
+            raise
+        ```
+    """
+
+    def __init__(self, message: str, lost_workers: Sequence[str] = ()):
+        super().__init__(None, None, message)
+        self.lost_workers = list(lost_workers)
+
+    def __reduce__(self):
+        return type(self), (self.message, self.lost_workers)
+
+
+def _check_address(address, where: str) -> str:
+    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
+        raise ClusterConfigError(f"{where}: {address!r} is not an address of the form host:port.")
+    port = int(_ADDRESS.fullmatch(address).group("port"))
+    if not 1 <= port <= 65535:
+        raise ClusterConfigError(f"{where}: port {port} of {address!r} is not in 1..65535.")
+    return address
+
+
+def _check_cluster(cluster, task_type, task_id, source: str) -> None:
+    """Validates a cluster dict {job: [address, ...]} and this task's place in it."""
+    if not isinstance(cluster, dict) or not cluster:
+        raise ClusterConfigError(
+            f'{source}: "cluster" must be an object such as {{"worker": ["host1:2222", "host2:2222"]}}, '
+            f"got {cluster!r}."
+        )
+    for job, addresses in cluster.items():
+        if job == "ps":
+            raise ClusterConfigError(
+                f'{source}: the cluster has "ps" (parameter server) tasks. ReplicatorStrategy trains '
+                'synchronously with all-reduce: describe the machines as "worker" tasks (and '
+                'optionally one "chief").'
+            )
+        if job not in _TRAINING_JOBS:
+            raise ClusterConfigError(
+                f'{source}: job {job!r} is not supported; use "worker" (and optionally one "chief"). '
+                "An evaluator does not take part in training: evaluate in the chief, or in a separate "
+                "program without TF_CONFIG."
+            )
+        if not isinstance(addresses, list) or not addresses:
+            raise ClusterConfigError(
+                f'{source}: cluster["{job}"] must be a non-empty list of "host:port" strings, got {addresses!r}.'
+            )
+        for i, a in enumerate(addresses):
+            _check_address(a, f'{source}: cluster["{job}"][{i}]')
+    if len(cluster.get("chief", [])) > 1:
+        raise ClusterConfigError(f'{source}: there can be only one "chief", got {cluster["chief"]}.')
+    everything = [a for job in cluster for a in cluster[job]]
+    duplicates = sorted({a for a in everything if everything.count(a) > 1})
+    if duplicates:
+        raise ClusterConfigError(f"{source}: several tasks share the address(es) {duplicates}.")
+    if task_type not in cluster:
+        raise ClusterConfigError(
+            f'{source}: this task\'s type {task_type!r} is not a job of the cluster {sorted(cluster)}.'
+        )
+    n = len(cluster[task_type])
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or not 0 <= task_id < n:
+        raise ClusterConfigError(
+            f"{source}: this task's index must be an integer in [0, {n}) for job {task_type!r}, "
+            f"got {task_id!r}."
+        )
+
+
+def tf_config_cluster(
+    tf_config: str | None = None,
+) -> tf.distribute.cluster_resolver.ClusterResolver | None:
+    """The cluster that ``TF_CONFIG`` describes, checked; ``None`` if there is none.
+
+    ``TF_CONFIG`` is the JSON that Kubeflow's TFJob operator, the launcher and
+    most cluster managers set for TensorFlow jobs:
+    ``{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}``.
+    An optional ``"chief"`` job (one address) is the chief; otherwise worker 0 is.
+
+    Example:
+        ```python
+        import json, os
+        import keras_replicator as kr
+        os.environ["TF_CONFIG"] = json.dumps({
+            "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+            "task": {"type": "worker", "index": 1}})
+        resolver = kr.cluster.tf_config_cluster()
+        print(resolver.task_type, resolver.task_id)   # worker 1
+        ```
+
+    Args:
+        tf_config: the JSON text; ``None`` reads the ``TF_CONFIG`` environment
+            variable.
+
+    Returns:
+        A ``tf.distribute.cluster_resolver.SimpleClusterResolver``, or ``None``
+        when ``TF_CONFIG`` is unset, empty or ``{}``.
+
+    Raises:
+        ClusterConfigError: the JSON is malformed or inconsistent (the message
+            says what to fix).
+    """
+    text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
+    if not isinstance(text, str):
+        raise TypeError(f"tf_config must be a JSON string, got {type(text).__name__}.")
+    if not text.strip():
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterConfigError(f"TF_CONFIG is not valid JSON ({e}): {text[:200]!r}") from None
+    if not isinstance(config, dict):
+        raise ClusterConfigError(f"TF_CONFIG must be a JSON object, got {text[:200]!r}.")
+    if not config.get("cluster"):
+        if config.get("task"):
+            raise ClusterConfigError('TF_CONFIG has a "task" but no "cluster".')
+        return None
+    unknown = sorted(set(config) - {"cluster", "task", "rpc_layer", "environment"})
+    if unknown:
+        raise ClusterConfigError(
+            f'TF_CONFIG has unknown key(s) {unknown}; expected "cluster", "task" '
+            '(and optionally "rpc_layer", "environment").'
+        )
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        raise ClusterConfigError(
+            'TF_CONFIG needs "task": {"type": "worker", "index": i} saying which task this process is, '
+            f"got {task!r}."
+        )
+    rpc_layer = config.get("rpc_layer", "grpc")
+    if rpc_layer != "grpc":
+        raise ClusterConfigError(f'TF_CONFIG "rpc_layer" must be "grpc", got {rpc_layer!r}.')
+    _check_cluster(config["cluster"], task["type"], task["index"], "TF_CONFIG")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(config["cluster"]),
+        task_type=task["type"],
+        task_id=task["index"],
+        rpc_layer=rpc_layer,
+    )
+
+
+def _expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed node list ('node[01-03,7],gpu5') as a list of host names."""
+    hosts, i, n = [], 0, len(hostlist)
+    while i < n:
+        j = i
+        while j < n and hostlist[j] not in ",[":
+            j += 1
+        prefix = hostlist[i:j]
+        if j < n and hostlist[j] == "[":
+            k = hostlist.index("]", j)
+            suffix_end = k + 1
+            while suffix_end < n and hostlist[suffix_end] != ",":
+                suffix_end += 1
+            suffix = hostlist[k + 1 : suffix_end]
+            for part in hostlist[j + 1 : k].split(","):
+                lo, _, hi = part.partition("-")
+                width = len(lo)
+                for number in range(int(lo), int(hi or lo) + 1):
+                    hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+            i = suffix_end + 1
+        else:
+            if prefix:
+                hosts.append(prefix)
+            i = j + 1
+    return hosts
+
+
+def _expand_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's '2(x3),1' as [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(part)
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def slurm_cluster(
+    environ: Mapping[str, str] | None = None,
+) -> tf.distribute.cluster_resolver.ClusterResolver | None:
+    """The cluster of the current Slurm job step (``srun``); ``None`` outside one.
+
+    Each Slurm task is a worker; task ``SLURM_PROCID`` is worker ``SLURM_PROCID``
+    and task 0 the chief. Tasks are placed on nodes in blocks (Slurm's default
+    ``--distribution=block``); a task's port is a per-job base plus its index on
+    its node. The base is ``12000 + 32 * (SLURM_JOB_ID mod 1000)``, so jobs
+    sharing a node rarely collide; set ``KERAS_REPLICATOR_SLURM_PORT_BASE`` to
+    choose it.
+
+    Example:
+        ```python
+        # in a script started by: srun --nodes=2 --ntasks-per-node=1 python train.py
+        import keras_replicator as kr
+        strategy = kr.ReplicatorStrategy()   # finds the Slurm cluster by itself
+        ```
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        A ``SimpleClusterResolver``, or ``None`` when not in a Slurm job step
+        with more than one task.
+
+    Raises:
+        ClusterConfigError: the Slurm variables are inconsistent.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    try:
+        num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+        rank = int(env["SLURM_PROCID"])
+    except ValueError:
+        raise ClusterConfigError(
+            f"SLURM_STEP_NUM_TASKS={env['SLURM_STEP_NUM_TASKS']!r} and SLURM_PROCID="
+            f"{env['SLURM_PROCID']!r} must be integers."
+        ) from None
+    if num_tasks <= 1:
+        return None
+    missing = [v for v in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE") if not env.get(v)]
+    if missing:
+        raise ClusterConfigError(f"A Slurm job step with {num_tasks} tasks but {missing} unset.")
+    try:
+        hosts = _expand_hostlist(env["SLURM_STEP_NODELIST"])
+        per_node = _expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+    except ValueError:
+        raise ClusterConfigError(
+            f"Cannot read SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST']!r} / "
+            f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r}."
+        ) from None
+    if len(hosts) != len(per_node) or sum(per_node) != num_tasks:
+        raise ClusterConfigError(
+            f"Slurm says {num_tasks} tasks on nodes {hosts} with {per_node} tasks each; these disagree."
+        )
+    if not 0 <= rank < num_tasks:
+        raise ClusterConfigError(f"SLURM_PROCID={rank} is not in [0, {num_tasks}).")
+    if env.get(SLURM_PORT_BASE_ENV):
+        base = env[SLURM_PORT_BASE_ENV]
+        if not base.isdigit() or not 1 <= int(base) <= 65535 - max(per_node):
+            raise ClusterConfigError(f"{SLURM_PORT_BASE_ENV}={base!r} is not a usable port number.")
+        base = int(base)
+    else:
+        job = env.get("SLURM_JOB_ID", "0")
+        base = 12000 + 32 * (int(job) % 1000 if job.isdigit() else 0)
+    addresses, owner = [], []
+    for host, count in zip(hosts, per_node):
+        for local in range(count):
+            addresses.append(f"{host}:{base + local}")
+            owner.append(host)
+    me = env.get("SLURMD_NODENAME")
+    if me and me != owner[rank]:
+        raise ClusterConfigError(
+            f"Slurm task {rank} runs on {me!r}, but block placement puts it on {owner[rank]!r}. "
+            "Start the job step with srun --distribution=block (the default)."
+        )
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": addresses}), task_type="worker", task_id=rank, rpc_layer="grpc"
+    )
+
+
+def resolve_cluster(
+    cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
+) -> tf.distribute.cluster_resolver.ClusterResolver | None:
+    """The cluster this process belongs to: the argument, else ``TF_CONFIG``, else Slurm.
+
+    Example:
+        ```python
+        import keras_replicator as kr
+        resolver = kr.cluster.resolve_cluster()
+        print("multi-worker" if resolver else "one machine")
+        ```
+
+    Args:
+        cluster_resolver: an explicit ``tf.distribute.cluster_resolver.ClusterResolver``
+            (checked like ``TF_CONFIG``).
+
+    Returns:
+        A checked resolver, or ``None`` when nothing describes a cluster.
+
+    Raises:
+        ClusterConfigError: the description is malformed.
+    """
+    if cluster_resolver is None:
+        return tf_config_cluster() or slurm_cluster()
+    if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
+        raise TypeError(
+            "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver such as "
+            f"SimpleClusterResolver or SlurmClusterResolver, got {cluster_resolver!r}."
+        )
+    name = type(cluster_resolver).__name__
+    try:
+        spec = cluster_resolver.cluster_spec().as_dict()
+    except Exception as e:  # a resolver that cannot resolve: say which
+        raise ClusterConfigError(f"{name}.cluster_spec() failed: {e}") from e
+    if not spec:
+        raise ClusterConfigError(f"{name} describes an empty cluster.")
+    for job, tasks in spec.items():
+        if isinstance(tasks, dict):
+            raise ClusterConfigError(f"{name}: job {job!r} has sparse task indices {sorted(tasks)}.")
+    _check_cluster(spec, cluster_resolver.task_type, cluster_resolver.task_id, name)
+    return cluster_resolver
+
+
+def task_names(cluster_spec: tf.train.ClusterSpec) -> dict[str, str]:
+    """Human names of every task: ``{"/job:worker/replica:0/task:1": "worker 1 (... at host:port)"}``.
+
+    Example:
+        ```python
+        names = kr.cluster.task_names(tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}))
+        ```
+    """
+    names = {}
+    for job in cluster_spec.jobs:
+        for i, address in enumerate(cluster_spec.job_tasks(job)):
+            names[f"/job:{job}/replica:0/task:{i}"] = f"{job} {i} (/job:{job}/task:{i} at {address})"
+    return names
+
+
+def simulate_devices_from_env() -> int | None:
+    """Applies ``KERAS_REPLICATOR_DEVICES_PER_WORKER`` (set by the launcher), if set.
+
+    ``ReplicatorStrategy`` calls this when it is created, so that a script
+    started with ``keras-replicator launch --devices-per-worker K`` gets ``K``
+    CPU devices per worker without calling :func:`simulate_devices` itself.
+
+    Example:
+        ```python
+        import os
+        import keras_replicator as kr
+        os.environ["KERAS_REPLICATOR_DEVICES_PER_WORKER"] = "2"
+        kr.cluster.simulate_devices_from_env()   # same as kr.simulate_devices(2)
+        ```
+
+    Returns:
+        The number of devices simulated, or ``None`` when the variable is unset.
+    """
+    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
+    try:
+        simulate_devices(int(value))
+    except DeviceConfigurationError as e:
+        raise DeviceConfigurationError(
+            f"{DEVICES_PER_WORKER_ENV}={value} asks for {value} CPU devices per worker, but {e}"
+        ) from None
+    return int(value)

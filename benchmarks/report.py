@@ -1,0 +1,371 @@
+"""The Markdown table of ratios and the PNG plot of a benchmark run, from its JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+STRATEGY_NAMES = {
+    "one": "one device",
+    "stock": "stock `MirroredStrategy`",
+    "ours": "`ReplicatorStrategy`",
+}
+ALLREDUCE_NAMES = {
+    "stock_default": "stock default",
+    "stock_rtod": "stock `ReductionToOneDevice`",
+    "ours": "ours",
+}
+MODEL_NAMES = {"cnn": "small CNN", "resnet50": "ResNet-50 (32x32)", "cnn_bn": "CNN + BN"}
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "n/a"
+    if digits == 0 and abs(value) < 10:
+        digits = 2 if abs(value) < 1 else 1
+    return f"{value:,.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if not a or not b:
+        return None
+    return a / b
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"**{r:.2f}x**"
+
+
+def _devices_label(devices: int | str) -> str:
+    return "all GPUs" if devices == "gpu" else f"{devices} CPU"
+
+
+def _find(entries: list[dict], **key) -> dict | None:
+    for e in entries:
+        if all(e.get(k) == v for k, v in key.items()) and e.get("available"):
+            return e
+    return None
+
+
+def _one_device(doc: dict[str, Any], model: str, devices: int | str) -> dict | None:
+    """The one-device baseline of a row: GPU:0 for GPU rows, one CPU device otherwise."""
+    return _find(doc["training"], model=model, strategy="one",
+                 devices="gpu1" if devices == "gpu" else 1)
+
+
+def _eps(entry: dict | None) -> float | None:
+    return entry.get("examples_per_second") if entry else None
+
+
+def machine_line(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    return (
+        f"Measured on {env.get('cpu_model', '?')} with {env.get('cpu_count', '?')} CPU cores "
+        f"(physical devices: {', '.join(env.get('physical_devices', [])) or '?'}), "
+        f"{env.get('platform', '')}; Python {env.get('python', '?')}, "
+        f"TensorFlow {env.get('tensorflow', '?')}, Keras {env.get('keras', '?')}, "
+        f"keras_replicator {env.get('keras_replicator', '?')}. "
+        f"Run of {doc.get('date', '?')} in **{doc.get('mode', '?')} mode**, "
+        f"{doc.get('wall_seconds', 0) / 60:.1f} min; "
+        f"{doc['settings']['rounds']} interleaved round(s) "
+        f"({doc['settings']['resnet_rounds']} for ResNet-50)"
+        + (f", {doc['settings']['skipped_for_time']} configuration round(s) skipped for time"
+           if doc["settings"].get("skipped_for_time") else "")
+        + "."
+    )
+
+
+def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The issue's targets: (target, measured, met?)."""
+    rows = []
+    ratios = []
+    for e in doc["training"]:
+        if e.get("strategy") != "ours" or not e.get("available"):
+            continue
+        stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
+        r = _ratio(_eps(e), _eps(stock))
+        if r is not None:
+            ratios.append((r, f"{MODEL_NAMES.get(e['model'], e['model'])}, "
+                              f"{_devices_label(e['devices'])}"))
+    if ratios:
+        worst = min(ratios)
+        rows.append(("training throughput, ours >= 1.0x stock `MirroredStrategy`",
+                     f"{worst[0]:.2f}x at worst ({worst[1]}); best {max(ratios)[0]:.2f}x",
+                     "yes" if worst[0] >= 1.0 else "no"))
+    bn_sync = _find(doc["batch_norm"], batch_norm="keras_sync")
+    bn_global = _find(doc["batch_norm"], batch_norm="global")
+    if bn_sync and bn_global:
+        r = bn_global["step_ms"] / bn_sync["step_ms"]
+        rows.append(("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
+                     f"{_fmt(bn_global['step_ms'], 1)} ms vs {_fmt(bn_sync['step_ms'], 1)} ms "
+                     f"({r:.2f}x)", "yes" if r <= 1.0 else "no"))
+    ar = []
+    for e in doc["allreduce"]:
+        if e.get("impl") != "ours" or not e.get("available"):
+            continue
+        stock = _find(doc["allreduce"], impl="stock_default", devices=e["devices"])
+        for mb, v in e["gbps"].items():
+            r = _ratio(v, stock["gbps"].get(mb) if stock else None)
+            if r is not None:
+                ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}"))
+    if ar:
+        worst = min(ar)
+        rows.append(("all-reduce bandwidth, ours >= 2x stock default",
+                     f"{worst[0]:.2f}x at worst ({worst[1]}); best {max(ar)[0]:.2f}x",
+                     "yes" if worst[0] >= 2.0 else "no"))
+    return rows
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The Markdown tables of one run (included by docs/performance.md)."""
+    out = ["<!-- Written by `python -m benchmarks` from benchmarks.json; do not edit. -->", ""]
+    if doc.get("mode") == "quick":
+        out += ["!!! warning \"Quick-mode numbers\"",
+                "    These figures come from a `--quick` smoke run (few windows, one round, "
+                "2 devices, no ResNet-50, two processes at a time): a placeholder that shows "
+                "the layout, not a measurement to quote.", ""]
+    out += [machine_line(doc), ""]
+
+    rows = targets(doc)
+    if rows:
+        out += ["**Targets**", "", "| target | measured | met |", "|---|---|---|"]
+        out += [f"| {t} | {m} | {ok} |" for t, m, ok in rows]
+        out.append("")
+
+    out += ["**Training throughput** (examples/s, `model.fit`, median of timed windows after "
+            "warm-up; `steps_per_execution=1`)", "",
+            "| model | devices | one device | stock `MirroredStrategy` | `ReplicatorStrategy` "
+            "| ours / stock | ours / one device | ours' all-reduce |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
+    for e in doc["training"]:
+        if e.get("strategy") != "ours":
+            continue
+        one = _one_device(doc, e["model"], e["devices"])
+        stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
+        out.append(
+            f"| {MODEL_NAMES.get(e['model'], e['model'])} | {_devices_label(e['devices'])} "
+            f"| {_fmt(_eps(one))} | {_fmt(_eps(stock))} | {_fmt(_eps(e))} "
+            f"| {_fmt_ratio(_ratio(_eps(e), _eps(stock)))} "
+            f"| {_fmt_ratio(_ratio(_eps(e), _eps(one)))} | {e.get('cross_device_ops', 'n/a')} |")
+    out.append("")
+
+    mem = doc.get("memcopy", {}).get("gbps", {})
+    out += ["**All-reduce algorithm bandwidth** (GB/s = tensor bytes / time of one in-replica "
+            "sum of a float32 tensor; NumPy `copyto` bandwidth of the same size for scale)", "",
+            "| devices | size | stock default | stock `ReductionToOneDevice` | ours "
+            "| ours / stock default | NumPy copy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    chosen = {}
+    for e in doc["allreduce"]:
+        if e.get("impl") != "ours" or not e.get("available"):
+            continue
+        chosen[_devices_label(e["devices"])] = e.get("cross_device_ops", "?")
+        stock = _find(doc["allreduce"], impl="stock_default", devices=e["devices"])
+        rtod = _find(doc["allreduce"], impl="stock_rtod", devices=e["devices"])
+        for mb, v in e["gbps"].items():
+            s = stock["gbps"].get(mb) if stock else None
+            out.append(
+                f"| {_devices_label(e['devices'])} | {mb} MB | {_fmt(s, 2)} "
+                f"| {_fmt(rtod['gbps'].get(mb) if rtod else None, 2)} | {_fmt(v, 2)} "
+                f"| {_fmt_ratio(_ratio(v, s))} | {_fmt(mem.get(mb), 1)} |")
+    stock_kind = next((e.get("cross_device_ops") for e in doc["allreduce"]
+                       if e.get("impl") == "stock_default" and e.get("available")), "?")
+    out.append("")
+    out.append(f"Stock default: `{stock_kind}`. Ours, as chosen by `ReplicatorStrategy` with "
+               "`cross_device_ops=None`: "
+               + "; ".join(f"{k}: `{v}`" for k, v in chosen.items()) + ".")
+    out.append("")
+
+    bn = [e for e in doc["batch_norm"] if e.get("available")]
+    out += ["**Cross-replica batch norm** (CNN with 4 batch-norm layers, `ReplicatorStrategy`)", ""]
+    if len(bn) == 2:
+        sync, glob = (_find(bn, batch_norm="keras_sync"), _find(bn, batch_norm="global"))
+        out += ["| layer | devices | step time (ms) | examples/s | step time / Keras sync BN's |",
+                "|---|---|---:|---:|---:|"]
+        for name, e in (("Keras `BatchNormalization(synchronized=True)`", sync),
+                        ("`GlobalBatchNormalization`", glob)):
+            out.append(f"| {name} | {_devices_label(e['devices'])} | {_fmt(e['step_ms'], 1)} "
+                       f"| {_fmt(_eps(e))} | {_fmt_ratio(e['step_ms'] / sync['step_ms'])} |")
+    else:
+        reason = (doc["batch_norm"][0].get("reason") or doc["batch_norm"][0].get("error", "")
+                  if doc["batch_norm"] else "")
+        out.append(f"Not available: {reason.splitlines()[0] if reason else 'not measured'}.")
+    out.append("")
+
+    spe = [e for e in doc["steps_per_execution"] if e.get("available")]
+    out += ["**`steps_per_execution`** (small CNN, `ReplicatorStrategy`; stock "
+            "`MirroredStrategy` fails with values > 1 on 2+ replicas)", ""]
+    if spe:
+        base = _find(spe, steps_per_execution=1)
+        out += ["| steps_per_execution | devices | examples/s | vs 1 |", "|---:|---|---:|---:|"]
+        for e in spe:
+            out.append(f"| {e['steps_per_execution']} | {_devices_label(e['devices'])} "
+                       f"| {_fmt(_eps(e))} | {_fmt_ratio(_ratio(_eps(e), _eps(base)))} |")
+    else:
+        out.append("Not available.")
+    out.append("")
+
+    out += ["**Two local workers** (one CPU device each, small CNN, custom `strategy.run` loop; "
+            "stock `MultiWorkerMirroredStrategy` cannot run `model.fit` in Keras 3)", ""]
+    stock = _find(doc["multiworker"], strategy="stock")
+    ours_entry = next((e for e in doc["multiworker"] if e.get("strategy") == "ours"), {})
+    ours = ours_entry if ours_entry.get("available") else None
+    out += ["| stock `MultiWorkerMirroredStrategy` | `ReplicatorStrategy` | ours / stock |",
+            "|---:|---:|---:|"]
+    ours_cell = _fmt(_eps(ours)) if ours else (
+        "not available" + (f" ({ours_entry['reason']})" if ours_entry.get("reason") else ""))
+    out.append(f"| {_fmt(_eps(stock))} examples/s | {ours_cell} "
+               f"| {_fmt_ratio(_ratio(_eps(ours), _eps(stock)))} |")
+    out.append("")
+
+    pipeline = doc.get("input_pipeline", {})
+    if pipeline.get("available"):
+        out += ["**Input pipeline** (`benchmarks/input_pipeline.py`)", ""]
+        out += _input_pipeline(pipeline)
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _input_pipeline(result: dict[str, Any]) -> list[str]:
+    """Its dicts of name -> number become columns of one table; scalars a line; notes text."""
+    columns = [k for k, v in result.items() if isinstance(v, dict) and v
+               and all(isinstance(x, (int, float)) for x in v.values())]
+    rows: list[str] = []
+    for col in columns:
+        rows += [r for r in result[col] if r not in rows]
+    out = []
+    scalars = [f"{k}: {v}" for k, v in result.items()
+               if k not in ("available", "benchmark", "notes", "unit")
+               and isinstance(v, (int, float, str, bool, list))]
+    if scalars:
+        out += ["; ".join(scalars) + ".", ""]
+    if columns:
+        unit = result.get("unit", "")
+        out.append("| pipeline | " + " | ".join(f"{c} ({unit})" if unit else c for c in columns)
+                   + " |")
+        out.append("|---|" + "---:|" * len(columns))
+        for r in rows:
+            out.append(f"| {r} | " + " | ".join(_fmt(result[c].get(r)) for c in columns) + " |")
+    else:
+        out += ["| measurement | value |", "|---|---:|"]
+        out += [f"| {name} | {value} |" for name, value in _flatten(result)
+                if name != "available"]
+    if isinstance(result.get("notes"), str):
+        out += ["", result["notes"]]
+    return out
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    rows = []
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            rows += _flatten(v, name + " / ")
+        elif isinstance(v, float):
+            rows.append((name, _fmt(v, 2)))
+        elif isinstance(v, (int, str, bool)):
+            rows.append((name, str(v)))
+    return rows
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """A few lines for the console: the targets."""
+    lines = [f"targets ({doc['mode']} mode):"]
+    for target, measured, ok in targets(doc):
+        lines.append(f"  [{'met' if ok == 'yes' else 'NOT met'}] {target}: {measured}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """A 2x2 figure: training speed-ups, all-reduce bandwidth, batch norm, the rest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    fig.suptitle(f"keras_replicator vs stock TensorFlow ({doc['mode']} mode, "
+                 f"{doc['environment'].get('cpu_count', '?')} CPU cores, "
+                 f"TF {doc['environment'].get('tensorflow', '?')})")
+
+    # (a) training throughput relative to one device
+    ax = axes[0][0]
+    groups = [e for e in doc["training"] if e.get("strategy") == "ours"]
+    labels, stock_vals, ours_vals = [], [], []
+    for e in groups:
+        one = _one_device(doc, e["model"], e["devices"])
+        stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
+        labels.append(f"{MODEL_NAMES.get(e['model'], e['model'])}\n{_devices_label(e['devices'])}")
+        stock_vals.append(_ratio(_eps(stock), _eps(one)) or 0.0)
+        ours_vals.append(_ratio(_eps(e), _eps(one)) or 0.0)
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], stock_vals, 0.4, label="stock MirroredStrategy", color="#999999")
+    ax.bar([i + 0.2 for i in x], ours_vals, 0.4, label="ReplicatorStrategy", color="#1f77b4")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("throughput / one device")
+    ax.set_title("Training throughput (model.fit)")
+    ax.legend(fontsize=8)
+
+    # (b) all-reduce bandwidth against size
+    ax = axes[0][1]
+    styles = {"stock_default": ("#999999", "o"), "stock_rtod": ("#ff7f0e", "s"),
+              "ours": ("#1f77b4", "^")}
+    dashes = {}
+    for e in doc["allreduce"]:
+        if not e.get("available"):
+            continue
+        color, marker = styles.get(e["impl"], ("black", "x"))
+        sizes = [float(mb) for mb in e["gbps"]]
+        ls = dashes.setdefault(e["devices"], ["-", ":", "-."][len(dashes) % 3])
+        ax.plot(sizes, list(e["gbps"].values()), marker=marker, color=color, ls=ls,
+                label=f"{ALLREDUCE_NAMES.get(e['impl'], e['impl']).replace('`', '')}, "
+                      f"{_devices_label(e['devices'])}")
+    mem = doc.get("memcopy", {}).get("gbps", {})
+    if mem:
+        ax.plot([float(mb) for mb in mem], list(mem.values()), color="green", ls="--",
+                label="NumPy copy")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    plain = matplotlib.ticker.FormatStrFormatter("%g")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlabel("tensor size (MB)")
+    ax.set_ylabel("GB/s (bytes / time)")
+    ax.set_title("All-reduce algorithm bandwidth")
+    ax.legend(fontsize=7)
+
+    # (c) batch norm step time
+    ax = axes[1][0]
+    bn = [e for e in doc["batch_norm"] if e.get("available")]
+    if bn:
+        names = {"keras_sync": "Keras BN\n(synchronized=True)", "global": "GlobalBatch-\nNormalization"}
+        ax.bar([names.get(e["batch_norm"], e["batch_norm"]) for e in bn],
+               [e["step_ms"] for e in bn], color=["#999999", "#1f77b4"][: len(bn)])
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"Cross-replica batch norm, CNN, {_devices_label(bn[0]['devices'])}")
+    else:
+        ax.text(0.5, 0.5, "GlobalBatchNormalization not available", ha="center")
+        ax.set_axis_off()
+
+    # (d) steps_per_execution and multi-worker throughput
+    ax = axes[1][1]
+    names, values, colors = [], [], []
+    for e in doc["steps_per_execution"]:
+        if e.get("available"):
+            names.append(f"spe={e['steps_per_execution']}\n{_devices_label(e['devices'])}")
+            values.append(_eps(e))
+            colors.append("#1f77b4")
+    for e in doc["multiworker"]:
+        names.append(f"2 workers\n{'stock MWMS' if e.get('strategy') == 'stock' else 'ours'}")
+        values.append(_eps(e) if e.get("available") else 0.0)
+        colors.append("#999999" if e.get("strategy") == "stock" else "#1f77b4")
+    ax.bar(names, values, color=colors)
+    ax.set_ylabel("examples/s")
+    ax.set_title("steps_per_execution (ours) and 2 local workers")
+    ax.tick_params(axis="x", labelsize=8)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

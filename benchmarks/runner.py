@@ -1,0 +1,408 @@
+"""The benchmark plan, its interleaved rounds, and the outputs (JSON, Markdown, PNG).
+
+Every configuration runs in a fresh interpreter (``python -m benchmarks.worker``)
+because the number of simulated CPU devices is fixed when TensorFlow starts. A
+round runs every configuration once; odd rounds run the plan in reverse order,
+so that a slow drift of the machine's speed hits stock and ours alike (stock and
+ours on the same devices are neighbours in the plan). Each process reports the
+timed windows it measured after its warm-up; a configuration's figure is the
+median of all its windows over all rounds.
+
+ResNet-50 configurations take about a minute each to trace and compile with 4
+replicas on 2 cores, so the full run gives them ``--resnet-rounds`` (default 1)
+rounds and the small ones ``--rounds`` (default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks import report
+from benchmarks.worker import RESULT_PREFIX, ROOT
+
+DEFAULT_OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
+DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "benchmarks.png")
+JSON_NAME, TABLE_NAME, PLOT_NAME = "benchmarks.json", "benchmarks.md", "benchmarks.png"
+SIZES_MB = (1, 16, 64)
+
+
+@dataclass
+class Settings:
+    """What one run measures, and how long it may take."""
+
+    quick: bool
+    device_counts: tuple[int, ...]
+    models: tuple[str, ...]
+    rounds: int
+    resnet_rounds: int
+    windows: int
+    sizes_mb: tuple[float, ...] = SIZES_MB
+    timeout: float = 900.0
+    jobs: int = 1
+    # Rounds after the first are skipped config by config once this is spent.
+    budget_seconds: float = float("inf")
+
+    @classmethod
+    def for_mode(cls, quick: bool, rounds: int | None = None, resnet_rounds: int | None = None,
+                 device_counts: tuple[int, ...] | None = None,
+                 models: tuple[str, ...] | None = None) -> Settings:
+        if quick:
+            return cls(quick=True, device_counts=device_counts or (2,), models=models or ("cnn",),
+                       rounds=rounds or 1, resnet_rounds=resnet_rounds or 1, windows=2,
+                       sizes_mb=(1, 16), timeout=300.0, jobs=2)
+        return cls(quick=False, device_counts=device_counts or (2, 4),
+                   models=models or ("cnn", "resnet50"), rounds=rounds or 2,
+                   resnet_rounds=resnet_rounds or 1, windows=3, budget_seconds=12 * 60.0)
+
+
+@dataclass
+class Config:
+    """One configuration: a section, a key that identifies it there, and the worker spec."""
+
+    section: str
+    key: dict[str, Any]
+    spec: dict[str, Any]
+    rounds: int = 1
+    results: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    skipped_rounds: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.section + "/" + "/".join(f"{k}={v}" for k, v in self.key.items())
+
+
+# --- the plan -----------------------------------------------------------------
+
+
+def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **extra) -> dict:
+    resnet = model == "resnet50"
+    if s.quick:
+        steps = {"warmup_steps": 2, "windows": s.windows, "window_steps": 4}
+    elif resnet:
+        steps = {"warmup_steps": 2, "windows": 4, "window_steps": 3}
+    else:
+        steps = {"warmup_steps": 5, "windows": 5, "window_steps": 10}
+    spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
+            "global_batch": 64 if resnet else 128, "steps_per_execution": 1, **steps}
+    spec.update(extra)
+    return spec
+
+
+def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
+    """Every configuration of a run, in the order of the first round."""
+    s = settings
+    device_sets: list[int | str] = list(s.device_counts)
+    if env.get("gpus", 0) > 0:
+        device_sets.append("gpu")
+    configs: list[Config] = [
+        Config("memcopy", {}, {"kind": "memcopy", "sizes_mb": list(s.sizes_mb),
+                               "windows": s.windows + 2}, s.rounds)
+    ]
+    for k in device_sets:
+        for impl in ("stock_default", "stock_rtod", "ours"):
+            configs.append(Config(
+                "allreduce", {"impl": impl, "devices": k},
+                {"kind": "allreduce", "impl": impl, "devices": k, "sizes_mb": list(s.sizes_mb),
+                 "windows": s.windows + 2}, s.rounds))
+    for model in s.models:
+        rounds = s.resnet_rounds if model == "resnet50" else s.rounds
+        for one in [1] + (["gpu1"] if "gpu" in device_sets else []):
+            configs.append(Config("training", {"model": model, "strategy": "one", "devices": one},
+                                  _train_spec(model, "one", one, s), rounds))
+        for k in device_sets:
+            for strategy in ("stock", "ours"):
+                configs.append(Config("training",
+                                      {"model": model, "strategy": strategy, "devices": k},
+                                      _train_spec(model, strategy, k, s), rounds))
+    k = max(s.device_counts)
+    configs.append(Config("steps_per_execution", {"steps_per_execution": 8, "devices": k},
+                          _train_spec("cnn", "ours", k, s, steps_per_execution=8), s.rounds))
+    if env.get("global_batch_norm_available"):
+        for bn in ("keras_sync", "global"):
+            configs.append(Config("batch_norm", {"batch_norm": bn, "devices": k},
+                                  _train_spec("cnn_bn", "ours", k, s, batch_norm=bn), s.rounds))
+    mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
+                else {"warmup_steps": 5, "windows": 5, "window_steps": 10})
+    for strategy in ("stock", "ours"):
+        configs.append(Config("multiworker", {"strategy": strategy, "workers": 2},
+                              {"kind": "multiworker", "strategy": strategy, "model": "cnn",
+                               "global_batch": 128, "timeout": s.timeout / 2, **mw_steps},
+                              s.rounds))
+    if os.path.exists(os.path.join(ROOT, "benchmarks", "input_pipeline.py")):
+        configs.append(Config("input_pipeline", {},
+                              {"kind": "input_pipeline", "quick": s.quick}, 1))
+    return configs
+
+
+# --- running ------------------------------------------------------------------
+
+
+def run_worker(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Runs one worker process; returns its result or raises RuntimeError."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.pop("KR_TEST_DEVICES", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"exit {proc.returncode}:\n{proc.stderr[-2500:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def execute(configs: list[Config], settings: Settings, log=print) -> None:
+    """Runs the rounds: round r runs every configuration that wants r+1 rounds.
+
+    With ``settings.jobs > 1`` (the quick smoke run) several processes run at
+    once, which makes the figures meaningless but the run short.
+    """
+
+    started = time.perf_counter()
+    durations: dict[str, float] = {}
+
+    def one(r: int, config: Config) -> None:
+        t0 = time.perf_counter()
+        if r > 0 and t0 - started + durations.get(config.name, 0.0) > settings.budget_seconds:
+            config.skipped_rounds += 1
+            log(f"  round {r + 1}: {config.name}: skipped (time budget spent)")
+            return
+        try:
+            result = run_worker(config.spec, settings.timeout)
+        except RuntimeError as error:
+            config.errors.append(str(error))
+            log(f"  round {r + 1}: {config.name}: FAILED ({str(error).splitlines()[0]})")
+            return
+        config.results.append(result)
+        durations[config.name] = time.perf_counter() - t0
+        log(f"  round {r + 1}: {config.name}: {_headline(result)} "
+            f"({time.perf_counter() - t0:.0f} s)")
+
+    total_rounds = max(c.rounds for c in configs)
+    for r in range(total_rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        todo = [c for c in order if r < c.rounds and not c.errors]
+        if settings.jobs > 1:
+            with concurrent.futures.ThreadPoolExecutor(settings.jobs) as pool:
+                list(pool.map(lambda c, r=r: one(r, c), todo))
+        else:
+            for config in todo:
+                one(r, config)
+
+
+def _headline(result: dict[str, Any]) -> str:
+    if result.get("available") is False:
+        return "not available"
+    if "examples_per_second" in result:
+        return f"{result['examples_per_second']:.1f} examples/s"
+    if "sizes" in result:
+        return ", ".join(f"{mb} MB {v['gbps']:.2f} GB/s" for mb, v in result["sizes"].items())
+    return "done"
+
+
+# --- aggregation --------------------------------------------------------------
+
+
+def _median_of_samples(results: list[dict[str, Any]], get) -> dict[str, Any]:
+    samples = [x for r in results for x in get(r)]
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+            "windows": len(samples)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def aggregate(config: Config) -> dict[str, Any]:
+    """One configuration's entry in the JSON: its key, figures, and provenance."""
+    entry: dict[str, Any] = dict(config.key)
+    if config.errors and not config.results:
+        entry.update(available=False, error=config.errors[0][-1500:])
+        return entry
+    results = config.results
+    first = results[0]
+    if first.get("available") is False:
+        entry.update(available=False, reason=first.get("reason", ""))
+        return entry
+    entry["available"] = True
+    entry["rounds"] = len(results)
+    if "examples_per_second" in first:
+        stats = _median_of_samples(results, lambda r: r["samples"])
+        entry.update(
+            examples_per_second=stats["median"],
+            examples_per_second_min=stats["min"],
+            examples_per_second_max=stats["max"],
+            step_ms=1000.0 * config.spec["global_batch"] / stats["median"],
+            windows=stats["windows"],
+        )
+        for key in ("replicas", "cross_device_ops", "parameters"):
+            if key in first:
+                entry[key] = first[key]
+        entry["first_execution_seconds"] = first.get("first_execution_seconds")
+    elif "sizes" in first:
+        entry["gbps"] = {}
+        for mb in first["sizes"]:
+            stats = _median_of_samples(results, lambda r, mb=mb: r["sizes"][mb]["samples"])
+            entry["gbps"][mb] = stats["median"]
+        for key in ("replicas", "cross_device_ops"):
+            if key in first:
+                entry[key] = first[key]
+    else:
+        entry["result"] = first
+    entry["process_seconds"] = [_round(r.get("wall_seconds")) for r in results]
+    entry["process_cpu_seconds"] = [_round(r.get("cpu_seconds")) for r in results]
+    return entry
+
+
+def collect(configs: list[Config], settings: Settings, env: dict[str, Any],
+            started: float, wall: float) -> dict[str, Any]:
+    """The JSON document of a run."""
+    doc: dict[str, Any] = {
+        "mode": "quick" if settings.quick else "full",
+        "date": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": round(wall, 1),
+        "settings": {"rounds": settings.rounds, "resnet_rounds": settings.resnet_rounds,
+                     "parallel_processes": settings.jobs,
+                     "skipped_for_time": sum(c.skipped_rounds for c in configs),
+                     "device_counts": list(settings.device_counts),
+                     "models": list(settings.models), "sizes_mb": list(settings.sizes_mb)},
+        "environment": env,
+    }
+    sections = ("training", "batch_norm", "allreduce", "steps_per_execution", "multiworker")
+    for section in sections:
+        doc[section] = [aggregate(c) for c in configs if c.section == section]
+    mem = [c for c in configs if c.section == "memcopy"]
+    doc["memcopy"] = aggregate(mem[0]) if mem else {"available": False}
+    # steps_per_execution=1 is the training configuration of the same model and devices.
+    k = max(settings.device_counts)
+    base = [e for e in doc["training"]
+            if e["model"] == "cnn" and e["strategy"] == "ours" and e["devices"] == k]
+    if base:
+        doc["steps_per_execution"].insert(0, dict(base[0], steps_per_execution=1))
+    if not any(c.section == "batch_norm" for c in configs):
+        doc["batch_norm"] = [{"available": False,
+                              "reason": "keras_replicator.layers.GlobalBatchNormalization is missing"}]
+    pipeline = [c for c in configs if c.section == "input_pipeline"]
+    if pipeline and pipeline[0].results:
+        doc["input_pipeline"] = dict(pipeline[0].results[0], available=True)
+        doc["input_pipeline"].pop("wall_seconds", None)
+    elif pipeline:
+        doc["input_pipeline"] = {"available": False, "error": pipeline[0].errors[0][-1500:]}
+    else:
+        doc["input_pipeline"] = {"available": False,
+                                 "reason": "benchmarks/input_pipeline.py is missing"}
+    doc["failures"] = [{"config": c.name, "error": c.errors[0][-1500:]}
+                       for c in configs if c.errors]
+    return doc
+
+
+def _finite_positive(doc: dict[str, Any]) -> list[str]:
+    """Names of figures that are not positive finite numbers (should be none)."""
+    bad = []
+
+    def check(name, value):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            bad.append(name)
+
+    for section in ("training", "batch_norm", "steps_per_execution", "multiworker"):
+        for e in doc[section]:
+            if e.get("available"):
+                check(f"{section}:{e}", e["examples_per_second"])
+    for e in doc["allreduce"] + [doc["memcopy"]]:
+        for mb, v in e.get("gbps", {}).items():
+            check(f"allreduce/memcopy {mb}", v)
+    return bad
+
+
+# --- entry point --------------------------------------------------------------
+
+
+def write_outputs(doc: dict[str, Any], output_dir: str, publish_docs: bool) -> list[str]:
+    """Writes the JSON, the Markdown table and the PNG plot; returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    json_path = os.path.join(output_dir, JSON_NAME)
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
+    table_path = os.path.join(output_dir, TABLE_NAME)
+    with open(table_path, "w") as f:
+        f.write(report.markdown(doc))
+    plot_path = os.path.join(output_dir, PLOT_NAME)
+    report.plot(doc, plot_path)
+    paths = [json_path, table_path, plot_path]
+    if publish_docs:
+        os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
+        shutil.copyfile(plot_path, DOCS_PLOT)
+        paths.append(DOCS_PLOT)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="keras_replicator against stock TensorFlow, side by side in one run.")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run (about a minute): 2 devices, small CNN, 1 round")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help="where to write benchmarks.json/.md/.png (default: benchmarks/results; "
+                             "writing there also copies the plot to docs/assets/)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of the small configurations (default 2; quick 1)")
+    parser.add_argument("--resnet-rounds", type=int, default=None,
+                        help="rounds of the ResNet-50 configurations (default 1)")
+    parser.add_argument("--devices", type=int, nargs="+", default=None, metavar="K",
+                        help="simulated CPU device counts to compare (default 2 4; quick 2)")
+    parser.add_argument("--models", nargs="+", default=None, choices=("cnn", "resnet50"),
+                        help="training models (default cnn resnet50; quick cnn)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only rebuild the table and plot from the existing JSON")
+    args = parser.parse_args(argv)
+    output_dir = os.path.abspath(args.output_dir)
+    publish = output_dir == os.path.abspath(DEFAULT_OUTPUT_DIR)
+    if args.replot:
+        with open(os.path.join(output_dir, JSON_NAME)) as f:
+            doc = json.load(f)
+        for path in write_outputs(doc, output_dir, publish):
+            print("wrote", os.path.relpath(path, ROOT))
+        return 0
+
+    started = time.time()
+    settings = Settings.for_mode(args.quick, args.rounds, args.resnet_rounds,
+                                 tuple(args.devices) if args.devices else None,
+                                 tuple(args.models) if args.models else None)
+    print(f"benchmarks ({'quick' if args.quick else 'full'} mode): environment ...", flush=True)
+    env = run_worker({"kind": "env"}, settings.timeout)
+    env.pop("wall_seconds", None)
+    configs = plan(settings, env)
+    print(f"{len(configs)} configurations, up to "
+          f"{max(c.rounds for c in configs)} interleaved round(s)", flush=True)
+    execute(configs, settings, log=lambda msg: print(msg, flush=True))
+    doc = collect(configs, settings, env, started, time.time() - started)
+    for path in write_outputs(doc, output_dir, publish):
+        print("wrote", os.path.relpath(path, ROOT) if path.startswith(ROOT) else path)
+    print(report.summary(doc))
+    print(f"total {doc['wall_seconds'] / 60:.1f} min")
+    bad = _finite_positive(doc)
+    if doc["failures"] or bad:
+        for failure in doc["failures"]:
+            print(f"FAILED {failure['config']}: {failure['error'].splitlines()[0]}",
+                  file=sys.stderr)
+        for name in bad:
+            print(f"not a positive finite figure: {name}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,510 @@
+"""One benchmark configuration in a fresh interpreter.
+
+Usage: ``python -m benchmarks.worker '<spec as JSON>'``. The spec's ``kind`` says
+what to measure (``env``, ``memcopy``, ``allreduce``, ``train``,
+``multiworker``); the other keys are that kind's parameters (see the
+``run_<kind>`` functions). The worker prints exactly one line
+``RESULT <json>`` on stdout, and exits non-zero on failure.
+
+The simulated CPU device count must be set before TensorFlow starts, so the
+worker configures devices first thing, and imports TensorFlow only inside the
+functions that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+RESULT_PREFIX = "RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Image side of the training benchmarks: ResNet-50 at 32x32 (CIFAR size) keeps
+# a step on 2 CPU cores well under a second.
+IMAGE_SIZE = 32
+NUM_CLASSES = 10
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def _emit(result: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _setup_devices(devices: int | str) -> None:
+    """An int: that many CPU devices (simulated), GPUs hidden; ``"gpu"``/``"gpu1"``: the GPUs."""
+    if isinstance(devices, int):
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            tf.config.set_visible_devices([], "GPU")
+        if devices > 1:
+            import keras_replicator as kr
+
+            kr.simulate_devices(devices)
+
+
+def _device_names(devices: int | str) -> list[str]:
+    import tensorflow as tf
+
+    if devices == "gpu":
+        return [d.name for d in tf.config.list_logical_devices("GPU")]
+    return [d.name for d in tf.config.list_logical_devices("CPU")][: int(devices)]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_seconds() -> float | None:
+    """User + system CPU time of this process and its finished children (Unix only)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def _describe_cross_device_ops(strategy) -> str:
+    """A short human-readable name of the strategy's cross-device reduction."""
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    if ops is None:
+        return "none"
+    name = type(ops).__name__
+    accumulate = getattr(ops, "accumulation_fn", None)
+    if accumulate is not None and getattr(accumulate, "__name__", "add_n") != "add_n":
+        return f"{name}(accumulation_fn={accumulate.__name__})"
+    options = getattr(ops, "_options", None)
+    impl = getattr(options, "implementation", None)
+    if impl is not None:
+        name += f"({getattr(impl, 'name', impl)})"
+    return name
+
+
+def _window_throughputs(times: list[float], units_per_tick: float, ticks_per_window: int,
+                        warmup_ticks: int) -> list[float]:
+    """Units per second over consecutive windows of ``ticks_per_window`` ticks after warm-up.
+
+    ``times[i]`` is the clock at the end of tick ``i``; the first window starts
+    at the end of the last warm-up tick.
+    """
+    out = []
+    start = warmup_ticks - 1
+    while start + ticks_per_window < len(times):
+        elapsed = times[start + ticks_per_window] - times[start]
+        out.append(units_per_tick * ticks_per_window / elapsed)
+        start += ticks_per_window
+    return out
+
+
+# --- env ----------------------------------------------------------------------
+
+
+def run_env(spec: dict[str, Any]) -> dict[str, Any]:
+    """Versions, devices and the features this checkout has (layers, multi-worker)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_replicator as kr
+
+    try:
+        from keras_replicator import layers as kr_layers
+
+        has_global_bn = hasattr(kr_layers, "GlobalBatchNormalization")
+    except ImportError:
+        has_global_bn = False
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "keras_replicator": kr.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "physical_devices": [
+            f"{d.device_type}:{d.name.split(':')[-1]}" for d in tf.config.list_physical_devices()
+        ],
+        "gpus": len(tf.config.list_physical_devices("GPU")),
+        "global_batch_norm_available": has_global_bn,
+    }
+
+
+# --- memory copy --------------------------------------------------------------
+
+
+def run_memcopy(spec: dict[str, Any]) -> dict[str, Any]:
+    """NumPy ``copyto`` bandwidth (bytes copied / time) for each size, in GB/s."""
+    import numpy as np
+
+    out = {}
+    for mb in spec["sizes_mb"]:
+        n = int(mb * 2**20) // 4
+        src = np.random.default_rng(0).random(n, dtype=np.float32)
+        dst = np.empty_like(src)
+        reps = max(3, int(256 / mb))
+        np.copyto(dst, src)
+        samples = []
+        for _ in range(spec["windows"]):
+            t = time.perf_counter()
+            for _ in range(reps):
+                np.copyto(dst, src)
+            samples.append(src.nbytes * reps / (time.perf_counter() - t) / 1e9)
+        out[str(mb)] = {"gbps": statistics.median(samples), "samples": samples}
+    return {"sizes": out}
+
+
+# --- all-reduce ---------------------------------------------------------------
+
+
+def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None = None):
+    """``stock`` / ``stock_default``: MirroredStrategy's default; ``stock_rtod``: with
+    ReductionToOneDevice; ``ours``: ReplicatorStrategy, with its own choice of
+    all-reduce unless ``cross_device_ops`` names one (``ring``, ``rtod``,
+    ``hierarchical``: for investigations, not part of the plan)."""
+    import tensorflow as tf
+
+    import keras_replicator as kr
+
+    if name in ("stock", "stock_default"):
+        return tf.distribute.MirroredStrategy(devices)
+    if name == "stock_rtod":
+        return tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    if name == "ours":
+        if cross_device_ops == "ring":
+            return kr.ReplicatorStrategy(devices, communication="ring")
+        ops = {
+            None: None,
+            "rtod": tf.distribute.ReductionToOneDevice(),
+            "hierarchical": tf.distribute.HierarchicalCopyAllReduce(num_packs=1),
+        }[cross_device_ops]
+        return kr.ReplicatorStrategy(devices, cross_device_ops=ops)
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
+    """Algorithm bandwidth (tensor bytes / time of one all-reduce) of an in-replica
+    sum of a float32 tensor of each size, across the replicas."""
+    _setup_devices(spec["devices"])
+    import tensorflow as tf
+
+    import keras_replicator as kr
+
+    devices = _device_names(spec["devices"])
+    strategy = _make_strategy(spec["impl"], devices, spec.get("cross_device_ops"))
+    out = {}
+    for mb in spec["sizes_mb"]:
+        n = int(mb * 2**20) // 4
+        with strategy.scope():
+            v = tf.Variable(tf.random.normal([n]), trainable=False)
+
+        @tf.function
+        def step(v=v):
+            def replica_fn():
+                return kr.all_reduce(v.read_value(), "sum")[:1]
+
+            return strategy.run(replica_fn)
+
+        def sync(result):
+            for r in strategy.experimental_local_results(result):
+                r.numpy()
+
+        for _ in range(3):
+            sync(step())
+        reps = max(3, int(spec.get("calls_mb", 128) / mb))
+        samples = []
+        for _ in range(spec["windows"]):
+            t = time.perf_counter()
+            for _ in range(reps):
+                result = step()
+            sync(result)
+            samples.append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
+        out[str(mb)] = {"gbps": statistics.median(samples), "samples": samples}
+        del v
+    return {"sizes": out, "cross_device_ops": _describe_cross_device_ops(strategy),
+            "replicas": len(devices)}
+
+
+# --- training throughput ------------------------------------------------------
+
+
+def _batch_norm(kind: str):
+    import keras
+
+    if kind == "global":
+        from keras_replicator.layers import GlobalBatchNormalization
+
+        return GlobalBatchNormalization()
+    if kind == "keras_sync":
+        return keras.layers.BatchNormalization(synchronized=True)
+    return keras.layers.BatchNormalization()
+
+
+def build_model(name: str, batch_norm: str = "keras"):
+    """``cnn``: a 4-conv CNN; ``cnn_bn``: the same with batch norm after each conv;
+    ``resnet50``: ``keras.applications.ResNet50`` at 32x32 (its own plain BN)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    shape = (IMAGE_SIZE, IMAGE_SIZE, 3)
+    if name == "resnet50":
+        return keras.applications.ResNet50(
+            weights=None, input_shape=shape, classes=NUM_CLASSES, classifier_activation=None
+        )
+    if name not in ("cnn", "cnn_bn"):
+        raise ValueError(f"unknown model {name!r}")
+    inputs = keras.Input(shape)
+    h = inputs
+    for filters, stride in ((32, 1), (32, 2), (64, 1), (64, 2)):
+        h = keras.layers.Conv2D(filters, 3, strides=stride, padding="same",
+                                use_bias=name == "cnn")(h)
+        if name == "cnn_bn":
+            h = _batch_norm(batch_norm)(h)
+        h = keras.layers.ReLU()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dense(128, activation="relu")(h)
+    outputs = keras.layers.Dense(NUM_CLASSES)(h)
+    return keras.Model(inputs, outputs)
+
+
+def _synthetic_dataset(global_batch: int):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    n = 4 * global_batch
+    x = rng.normal(size=(n, IMAGE_SIZE, IMAGE_SIZE, 3)).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=(n,)).astype("int32")
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(global_batch, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def run_train(spec: dict[str, Any]) -> dict[str, Any]:
+    """``model.fit`` throughput in examples/s over timed windows after warm-up.
+
+    Spec: ``model``, ``strategy`` (``one`` | ``stock`` | ``ours``), ``devices``,
+    ``global_batch``, ``steps_per_execution``, ``batch_norm``, ``warmup_steps``,
+    ``windows``, ``window_steps`` (steps counts are multiples of
+    ``steps_per_execution``).
+    """
+    _setup_devices(spec["devices"])
+    import keras
+
+    spe = int(spec.get("steps_per_execution", 1))
+    batch = int(spec["global_batch"])
+    strategy = None
+    if spec["strategy"] != "one":
+        strategy = _make_strategy(spec["strategy"], _device_names(spec["devices"]),
+                                  spec.get("cross_device_ops"))
+
+    def build_and_compile():
+        model = build_model(spec["model"], spec.get("batch_norm", "keras"))
+        model.compile(
+            keras.optimizers.SGD(0.01, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=spe,
+            jit_compile=bool(spec.get("jit_compile", False)),
+        )
+        return model
+
+    t0 = time.perf_counter()
+    if strategy is None:
+        model = build_and_compile()
+    else:
+        with strategy.scope():
+            model = build_and_compile()
+    build_seconds = time.perf_counter() - t0
+
+    times: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter())
+
+    warmup_ticks = max(1, spec["warmup_steps"] // spe)
+    ticks_per_window = max(1, spec["window_steps"] // spe)
+    total_ticks = warmup_ticks + spec["windows"] * ticks_per_window
+    t0 = time.perf_counter()
+    model.fit(_synthetic_dataset(batch), epochs=1, steps_per_epoch=total_ticks * spe,
+              callbacks=[Clock()], verbose=0)
+    fit_seconds = time.perf_counter() - t0
+    samples = _window_throughputs(times, batch * spe, ticks_per_window, warmup_ticks)
+    throughput = statistics.median(samples)
+    return {
+        "examples_per_second": throughput,
+        "step_ms": 1000.0 * batch / throughput,
+        "samples": samples,
+        "replicas": 1 if strategy is None else strategy.num_replicas_in_sync,
+        "cross_device_ops": "none" if strategy is None else _describe_cross_device_ops(strategy),
+        "parameters": int(model.count_params()),
+        "build_seconds": build_seconds,
+        "first_execution_seconds": times[0] - t0 if times else None,
+        "fit_seconds": fit_seconds,
+    }
+
+
+# --- multi-worker -------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("localhost", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_multiworker(spec: dict[str, Any]) -> dict[str, Any]:
+    """2 local worker processes (one CPU device each) training the small CNN in a
+    ``strategy.run`` loop; examples/s of the global batch, measured on the chief.
+
+    Launches ``mw_task`` workers with ``TF_CONFIG``. ``ours`` is reported as not
+    available when ``ReplicatorStrategy`` ignores ``TF_CONFIG`` (one replica).
+    """
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = []
+    for index in range(2):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        task = dict(spec, kind="mw_task")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.worker", json.dumps(task)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    outputs = []
+    deadline = time.monotonic() + spec.get("timeout", 300)
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise RuntimeError("multi-worker benchmark timed out") from None
+    results = []
+    for code, out, err in outputs:
+        lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
+        if code != 0 or not lines:
+            raise RuntimeError(f"multi-worker task failed (exit {code}):\n{err[-3000:]}")
+        results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+    return results[0]
+
+
+def run_mw_task(spec: dict[str, Any]) -> dict[str, Any]:
+    """One worker of :func:`run_multiworker` (reads ``TF_CONFIG``)."""
+    _setup_devices(1)
+    import keras
+    import tensorflow as tf
+
+    if spec["strategy"] == "stock":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        import keras_replicator as kr
+
+        strategy = kr.ReplicatorStrategy()
+        if strategy.num_replicas_in_sync < 2:
+            return {"available": False,
+                    "reason": "ReplicatorStrategy does not read TF_CONFIG in this version"}
+    batch = int(spec["global_batch"])
+    with strategy.scope():
+        model = build_model(spec.get("model", "cnn"))
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    dataset = strategy.experimental_distribute_dataset(_synthetic_dataset(batch))
+
+    @tf.function
+    def train_step(batch_xy):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True)) / batch
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return loss
+
+        per_replica = strategy.run(replica_step, args=batch_xy)
+        return strategy.reduce("SUM", per_replica, axis=None)
+
+    iterator = iter(dataset)
+    times = []
+    steps = spec["warmup_steps"] + spec["windows"] * spec["window_steps"]
+    for _ in range(steps):
+        float(train_step(next(iterator)))
+        times.append(time.perf_counter())
+    samples = _window_throughputs(times, batch, spec["window_steps"], spec["warmup_steps"])
+    throughput = statistics.median(samples)
+    return {
+        "available": True,
+        "examples_per_second": throughput,
+        "step_ms": 1000.0 * batch / throughput,
+        "samples": samples,
+        "replicas": strategy.num_replicas_in_sync,
+        "cross_device_ops": _describe_cross_device_ops(strategy),
+    }
+
+
+def run_input_pipeline(spec: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/input_pipeline.py``'s own measurements (``run(quick) -> dict``)."""
+    from benchmarks import input_pipeline
+
+    return dict(input_pipeline.run(bool(spec.get("quick", False))))
+
+
+KINDS = {
+    "env": run_env,
+    "memcopy": run_memcopy,
+    "allreduce": run_allreduce,
+    "train": run_train,
+    "multiworker": run_multiworker,
+    "mw_task": run_mw_task,
+    "input_pipeline": run_input_pipeline,
+}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m benchmarks.worker '<spec json>'", file=sys.stderr)
+        return 2
+    spec = json.loads(argv[0])
+    t0 = time.perf_counter()
+    result = KINDS[spec["kind"]](spec)
+    result["wall_seconds"] = time.perf_counter() - t0
+    result["cpu_seconds"] = _cpu_seconds()
+    _emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,524 @@
+"""``CrossReplicaOptimizer``: the optimizer wrapper of TF-Replicator and Horovod, for Keras 3.
+
+Keras 3's TensorFlow optimizers already sum gradients across replicas before each
+update. ``CrossReplicaOptimizer`` takes over that all-reduce, so it can do more
+with it:
+
+* **accumulation**: the gradients of ``k`` consecutive micro-batches are summed
+  locally on each replica and all-reduced once, on the ``k``-th step; the wrapped
+  optimizer then applies one update. ``k`` steps at batch ``B / k`` update the
+  weights as one step at batch ``B``. Iterations and learning-rate schedules
+  count applied updates.
+* **compression**: gradients travel as ``float16`` or ``bfloat16`` and are cast
+  back after the all-reduce (half the bytes on the wire).
+* **clipping**: ``clip_global_norm`` is applied to the all-reduced gradient, so
+  every replica clips by the same factor.
+* **skipping non-finite steps**: decided on the all-reduced gradient, so every
+  replica skips alike; skipped steps are counted in ``skipped_steps``.
+
+The wrapped optimizer does everything else (its update rule, weight decay, its
+own clipping, loss scaling) on the all-reduced gradient, and no longer reduces
+across replicas itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_replicator import _tf_internal
+from keras_replicator.collectives import all_reduce
+
+_COMPRESSIONS = {"float16": tf.float16, "bfloat16": tf.bfloat16}
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def _cast_gradient(g, dtype):
+    """Casts a gradient (tensor or ``IndexedSlices``) to ``dtype``."""
+    if g is None or g.dtype == dtype:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
+    return tf.cast(g, dtype)
+
+
+def _clip_by_global_norm(grads, clip_norm) -> list:
+    """``tf.clip_by_global_norm``, bit-identical on every replica.
+
+    ``tf.clip_by_global_norm`` multiplies with ``*``; Grappler's arithmetic
+    optimizer (TF 2.21) then re-associates the chain ``g * scale * learning_rate``
+    of the update differently on different replicas, leaving their weights one
+    float32 ulp apart. ``multiply_no_nan`` is not re-associated, and equals ``*``
+    here since the scale is never 0 (it is NaN for a non-finite norm, as in TF).
+    """
+    norm = tf.linalg.global_norm(grads)
+    scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
+
+    def one(g):
+        if isinstance(g, tf.IndexedSlices):
+            values = tf.math.multiply_no_nan(g.values, tf.cast(scale, g.dtype))
+            return tf.IndexedSlices(values, g.indices, g.dense_shape)
+        return tf.math.multiply_no_nan(g, tf.cast(scale, g.dtype))
+
+    return [one(g) for g in grads]
+
+
+def _all_finite(grads) -> tf.Tensor:
+    checks = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in grads
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+@keras.saving.register_keras_serializable(package="keras_replicator")
+class CrossReplicaOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer to all-reduce gradients once per update.
+
+    Use it wherever a Keras optimizer goes (``model.compile``, custom loops that
+    call ``optimizer.apply``). Build it under the strategy's ``scope()``, like the
+    model. Under a single device it behaves like the wrapped optimizer with the
+    same options.
+
+    Example:
+        ```python
+        import keras, numpy as np
+        import keras_replicator as kr
+
+        kr.simulate_devices(2)
+        strategy = kr.ReplicatorStrategy()
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            opt = kr.optimizers.CrossReplicaOptimizer(
+                keras.optimizers.SGD(0.1, momentum=0.9),
+                accumulation_steps=2,          # 2 micro-batches of 8 = one batch of 16
+                compression="bfloat16",
+                clip_global_norm=1.0,
+                skip_nonfinite=True,
+            )
+            model.compile(opt, "mse")
+        model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=8, verbose=0)
+        print(int(opt.iterations.numpy()), int(opt.micro_steps.numpy()))   # 4 updates, 8 batches
+        ```
+
+    Mixed precision: wrap the ``LossScaleOptimizer``, not the other way round, and
+    tell ``compile`` not to add another one:
+
+    ```python
+    opt = kr.optimizers.CrossReplicaOptimizer(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)))
+    model.compile(opt, loss, auto_scale_loss=False)
+    ```
+
+    The loss scale optimizer then sees the all-reduced gradient, so every replica
+    makes the same finite/non-finite decision, and ``clip_global_norm`` is applied
+    to the unscaled gradient.
+
+    Args:
+        optimizer: the Keras optimizer to wrap (an instance, or a name such as
+            ``"adam"``). It belongs to the wrapper afterwards: it no longer
+            reduces gradients across replicas by itself, so do not use it on
+            its own.
+        accumulation_steps: number of micro-batches whose gradients are summed
+            locally before one all-reduce and one update. The update uses the
+            mean of the ``k`` micro-batch gradients, so ``k`` steps at batch
+            ``B / k`` equal one step at ``B`` (with equal micro-batch sizes).
+        compression: ``None``, ``"float16"`` or ``"bfloat16"``: the dtype the
+            gradients are all-reduced in. ``float16`` keeps more mantissa but
+            overflows above 65504; ``bfloat16`` keeps the float32 range.
+        clip_global_norm: if set, the all-reduced gradient is rescaled so that
+            its global norm is at most this value.
+        skip_nonfinite: if ``True``, an update whose all-reduced gradient has a
+            NaN or Inf is skipped on every replica (weights, slots and the
+            iteration count stay as they were) and counted in
+            ``skipped_steps``. With an inner ``LossScaleOptimizer`` the step is
+            counted and left to it (it skips and lowers its scale).
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer | str,
+        *,
+        accumulation_steps: int = 1,
+        compression: str | None = None,
+        clip_global_norm: float | None = None,
+        skip_nonfinite: bool = False,
+        name: str | None = None,
+        **kwargs,
+    ):
+        if kwargs:
+            raise ValueError(
+                f"CrossReplicaOptimizer does not take {sorted(kwargs)}; set such options "
+                "(learning_rate, weight_decay, clipnorm, ...) on the wrapped optimizer."
+            )
+        if isinstance(optimizer, str):
+            optimizer = keras.optimizers.get(optimizer)
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "optimizer must be a keras.optimizers.Optimizer such as "
+                f"keras.optimizers.SGD(0.1), got {optimizer!r}."
+            )
+        if isinstance(optimizer, CrossReplicaOptimizer):
+            raise ValueError("optimizer is already a CrossReplicaOptimizer; do not wrap it twice.")
+        inner = optimizer
+        while inner is not None:
+            if getattr(inner, "gradient_accumulation_steps", None):
+                raise ValueError(
+                    f"The wrapped optimizer {inner.name!r} has gradient_accumulation_steps="
+                    f"{inner.gradient_accumulation_steps}; use "
+                    "CrossReplicaOptimizer(accumulation_steps=...) instead (it all-reduces once "
+                    "per update and keeps replicas identical)."
+                )
+            inner = getattr(inner, "inner_optimizer", None)
+        accumulation_steps = _check_positive_int("accumulation_steps", accumulation_steps)
+        if compression is not None and compression not in _COMPRESSIONS:
+            raise ValueError(
+                f"compression must be None, 'float16' or 'bfloat16', got {compression!r}."
+            )
+        if clip_global_norm is not None:
+            if (
+                isinstance(clip_global_norm, bool)
+                or not isinstance(clip_global_norm, (int, float))
+                or not math.isfinite(clip_global_norm)
+                or clip_global_norm <= 0
+            ):
+                raise ValueError(
+                    f"clip_global_norm must be a positive number or None, got {clip_global_norm!r}."
+                )
+            clip_global_norm = float(clip_global_norm)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
+
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.compression = compression
+        self.clip_global_norm = clip_global_norm
+        self.skip_nonfinite = skip_nonfinite
+        self._strategy = tf.distribute.get_strategy()
+        self._accumulators = []
+        _tf_internal.skip_optimizer_gradient_all_reduce(optimizer)
+
+    # --- state -----------------------------------------------------------------
+
+    def build(self, var_list: Sequence) -> None:
+        """Creates the wrapper's variables and builds the wrapped optimizer.
+
+        Called by Keras (``fit`` builds the optimizer before the first step).
+
+        Example:
+            ```python
+            opt.build(model.trainable_variables)
+            ```
+        """
+        if self.built:
+            return
+        # LossScaleOptimizer.build builds its inner optimizer directly; if that is us, the
+        # order is wrong (see the class docstring). The caller's frame is the one place
+        # where that shows before training starts.
+        caller = sys._getframe(1).f_locals.get("self")
+        if isinstance(caller, keras.optimizers.LossScaleOptimizer) and (
+            caller.inner_optimizer is self
+        ):
+            raise ValueError(
+                "A LossScaleOptimizer wraps this CrossReplicaOptimizer; the order must be the "
+                "other way round, so that the loss scale sees the all-reduced gradient: "
+                "CrossReplicaOptimizer(keras.optimizers.LossScaleOptimizer(opt)). With a "
+                "'mixed_float16' policy, also pass model.compile(..., auto_scale_loss=False), "
+                "or Keras adds the outer LossScaleOptimizer itself."
+            )
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not self._strategy:
+            raise ValueError(
+                "This CrossReplicaOptimizer was created outside the scope of the strategy its "
+                "model uses; create it (and the optimizer it wraps) under strategy.scope(), "
+                "where the model is built and compiled."
+            )
+        # Variables must be created under the strategy the optimizer was made for.
+        scope = contextlib.nullcontext() if tf.distribute.has_strategy() else self._strategy.scope()
+        with scope:
+            super().build(var_list)
+            self.inner_optimizer.build(var_list)
+            self._skipped_steps = self.add_variable(
+                shape=(),
+                dtype="int",
+                initializer="zeros",
+                aggregation="only_first_replica",
+                name="skipped_steps",
+            )
+            accumulators = []
+            if self.accumulation_steps > 1:
+                with keras.name_scope(self.name, caller=self):
+                    for v in var_list:
+                        # One copy per replica (synchronised on read): each replica sums
+                        # its own micro-batch gradients. Read across replicas (saving),
+                        # the value is the sum; restoring divides it evenly, so a run
+                        # resumed on another number of replicas all-reduces the same sum.
+                        acc = keras.Variable(
+                            initializer="zeros",
+                            shape=v.shape,
+                            dtype=v.dtype,
+                            trainable=False,
+                            aggregation="sum",
+                            synchronization="on_read",
+                            name=f"{getattr(v, 'path', v.name).replace('/', '_')}_accumulator",
+                        )
+                        self._track_variable(acc)
+                        accumulators.append(acc)
+            self._accumulators = accumulators
+
+    @property
+    def variables(self) -> list:
+        """The wrapper's variables followed by the wrapped optimizer's."""
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        """The wrapped optimizer's learning rate (settable)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        """Number of updates applied (the wrapped optimizer's iteration count).
+
+        Learning-rate schedules of the wrapped optimizer follow this count. With
+        accumulation it advances once every ``accumulation_steps`` micro-batches.
+        """
+        return self.inner_optimizer.iterations
+
+    @property
+    def micro_steps(self):
+        """Number of gradient batches received (``apply`` calls), as a variable."""
+        return self._iterations
+
+    @property
+    def skipped_steps(self):
+        """Number of updates skipped for a non-finite all-reduced gradient, as a variable."""
+        if not self.built:
+            raise ValueError("The optimizer is not built yet; skipped_steps exists after build().")
+        return self._skipped_steps
+
+    def scale_loss(self, loss):
+        """Scales the loss as the wrapped optimizer does (``LossScaleOptimizer``)."""
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        """Lets the wrapped optimizer finalise the weights (e.g. its EMA)."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # --- the update --------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """All-reduces ``grads`` (every ``accumulation_steps`` calls) and applies them.
+
+        Call it once per micro-batch on every replica, in a replica context (as
+        Keras's ``train_step`` does).
+
+        Example:
+            ```python
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            ```
+        """
+        grads = list(grads)
+        if not grads:
+            return
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "CrossReplicaOptimizer.apply() must be called in a replica context, e.g. "
+                "inside strategy.run() or a Keras train_step."
+            )
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing grads without variables, the optimizer must be built: "
+                    "call optimizer.build(trainable_variables) first."
+                )
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+            self._check_variables_are_known(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"Got {len(grads)} gradients for {len(trainable_variables)} variables."
+            )
+
+        with keras.name_scope(self.name, caller=self):
+            k = self.accumulation_steps
+            if k > 1:
+                indices = [self._get_variable_index(v) for v in trainable_variables]
+                present = [g is not None for g in grads]
+                for g, i in zip(grads, indices):
+                    if g is not None:
+                        acc = self._accumulators[i]
+                        acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+                # Python values go by closure: merge_call regroups its args per replica.
+                merge_fn = functools.partial(
+                    self._cross_replica_apply,
+                    trainable_variables=trainable_variables,
+                    source=(indices, present),
+                )
+                tf.distribute.get_replica_context().merge_call(merge_fn, args=(None,))
+            elif self.skip_nonfinite:
+                merge_fn = functools.partial(
+                    self._cross_replica_apply, trainable_variables=trainable_variables, source=None
+                )
+                tf.distribute.get_replica_context().merge_call(merge_fn, args=(grads,))
+            else:
+                # No decision to take: reduce and apply in the replica context.
+                reduced = self._replica_reduce(grads, None)
+                self.inner_optimizer.apply(reduced, trainable_variables)
+                self._iterations.assign_add(1)
+
+    def _cross_replica_apply(self, strategy, grads, trainable_variables, source):
+        """Decides, once for all replicas, whether this step reduces and applies.
+
+        Runs in the cross-replica context: a ``tf.cond`` whose branches
+        all-reduce must be taken there, so that every replica takes the same
+        branch (and collectives inside a replica-context branch are not allowed).
+        """
+        extended = strategy.extended
+
+        def reduce_and_apply():
+            reduced = extended.call_for_each_replica(self._replica_reduce, args=(grads, source))
+            if not self.skip_nonfinite:
+                extended.call_for_each_replica(
+                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
+                )
+                return
+            # The reduced gradient is the same on every replica (and worker), so
+            # replica 0's verdict is everyone's.
+            finite = strategy.experimental_local_results(
+                extended.call_for_each_replica(_all_finite, args=(reduced,))
+            )[0]
+            self._skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self._skipped_steps.dtype))
+            if self._loss_scale_optimizer() is not None:
+                # The LossScaleOptimizer must see the step to lower its scale.
+                extended.call_for_each_replica(
+                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
+                )
+                return
+
+            def apply_reduced():
+                extended.call_for_each_replica(
+                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
+                )
+
+            tf.cond(finite, apply_reduced, lambda: None)
+
+        if self.accumulation_steps > 1:
+            is_update = tf.equal((self._iterations + 1) % self.accumulation_steps, 0)
+            tf.cond(is_update, reduce_and_apply, lambda: None)
+        else:
+            reduce_and_apply()
+        self._iterations.assign_add(1)
+
+    def _replica_reduce(self, grads, source):
+        """All-reduces this replica's gradients (or accumulated sums); runs per replica."""
+        if source is not None:
+            indices, present = source
+            grads = []
+            for i, p in zip(indices, present):
+                if not p:
+                    grads.append(None)
+                    continue
+                acc = self._accumulators[i]
+                total = tf.identity(acc.value)
+                # Reset only after the read (automatic control dependencies order them).
+                with tf.control_dependencies([total]):
+                    acc.assign(tf.zeros_like(total))
+                grads.append(total / self.accumulation_steps)
+        positions = [i for i, g in enumerate(grads) if g is not None]
+        values = [grads[i] for i in positions]
+        dtypes = [g.dtype for g in values]
+        if self.compression is not None:
+            wire = _COMPRESSIONS[self.compression]
+            values = [_cast_gradient(g, wire) if g.dtype.is_floating else g for g in values]
+        values = all_reduce(values, "sum") if values else values
+        values = [_cast_gradient(g, d) for g, d in zip(values, dtypes)]
+        if self.clip_global_norm is not None and values:
+            clip = tf.cast(self.clip_global_norm, tf.float32) * self._gradient_scale()
+            values = _clip_by_global_norm(values, clip)
+        out = [None] * len(grads)
+        for i, g in zip(positions, values):
+            out[i] = g
+        return out
+
+    def _loss_scale_optimizer(self):
+        inner = self.inner_optimizer
+        while inner is not None:
+            if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+                return inner
+            inner = getattr(inner, "inner_optimizer", None)
+        return None
+
+    def _gradient_scale(self) -> tf.Tensor:
+        """The factor the gradients we see are scaled by (loss scaling), float32."""
+        lso = self._loss_scale_optimizer()
+        if lso is not None:
+            return tf.cast(tf.convert_to_tensor(lso.dynamic_scale), tf.float32)
+        factor = getattr(self.inner_optimizer, "loss_scale_factor", None)
+        return tf.constant(1.0 if factor is None else float(factor), tf.float32)
+
+    # --- serialisation -----------------------------------------------------------
+
+    def get_config(self) -> dict:
+        """The wrapper's options and the wrapped optimizer's config.
+
+        Example:
+            ```python
+            same = kr.optimizers.CrossReplicaOptimizer.from_config(opt.get_config())
+            ```
+        """
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "accumulation_steps": self.accumulation_steps,
+            "compression": self.compression,
+            "clip_global_norm": self.clip_global_norm,
+            "skip_nonfinite": self.skip_nonfinite,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None) -> CrossReplicaOptimizer:
+        """Rebuilds the wrapper (and the wrapped optimizer) from ``get_config()``."""
+        config = dict(config)
+        optimizer = keras.saving.deserialize_keras_object(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        return cls(optimizer, **config)
+
+
+def wrap_optimizer(optimizer: keras.optimizers.Optimizer | str, **kwargs: Any) -> CrossReplicaOptimizer:
+    """TF-Replicator's name for :class:`CrossReplicaOptimizer`: ``wrap_optimizer(opt, **kw)``.
+
+    Example:
+        ```python
+        opt = kr.wrap_optimizer(keras.optimizers.Adam(1e-3), accumulation_steps=4)
+        ```
+
+    Args:
+        optimizer: the Keras optimizer to wrap.
+        **kwargs: the keyword arguments of :class:`CrossReplicaOptimizer`.
+    """
+    return CrossReplicaOptimizer(optimizer, **kwargs)

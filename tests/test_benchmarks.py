@@ -1,0 +1,90 @@
+"""``python -m benchmarks --quick`` runs and writes a complete, sane JSON, table and plot."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.devices(1)  # the benchmarks start their own processes
+
+SECTIONS = ("environment", "training", "batch_norm", "allreduce", "memcopy",
+            "steps_per_execution", "multiworker", "input_pipeline", "failures")
+PUBLISHED = [os.path.join(ROOT, "benchmarks", "results", name)
+             for name in ("benchmarks.json", "benchmarks.md", "benchmarks.png")]
+PUBLISHED.append(os.path.join(ROOT, "docs", "assets", "benchmarks.png"))
+
+
+def _mtimes():
+    return {p: os.path.getmtime(p) for p in PUBLISHED if os.path.exists(p)}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    before = _mtimes()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--output-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out / "benchmarks.json") as f:
+        doc = json.load(f)
+    return out, doc, before, result.stdout
+
+
+def _positive(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_json_has_every_section_and_the_environment(quick_run):
+    _, doc, _, _ = quick_run
+    assert doc["mode"] == "quick"
+    for section in SECTIONS:
+        assert section in doc, section
+    env = doc["environment"]
+    for key in ("tensorflow", "keras", "cpu_count", "cpu_model", "physical_devices"):
+        assert env[key], key
+    assert doc["failures"] == []
+    strategies = {(e["strategy"], e["devices"]) for e in doc["training"]}
+    assert {("one", 1), ("stock", 2), ("ours", 2)} <= strategies
+    assert {e["impl"] for e in doc["allreduce"]} == {"stock_default", "stock_rtod", "ours"}
+    assert [e["steps_per_execution"] for e in doc["steps_per_execution"]] == [1, 8]
+    assert {e["strategy"] for e in doc["multiworker"]} == {"stock", "ours"}
+
+
+def test_figures_are_positive_and_finite(quick_run):
+    _, doc, _, _ = quick_run
+    for section in ("training", "batch_norm", "steps_per_execution", "multiworker"):
+        for entry in doc[section]:
+            if entry.get("available") is False:
+                assert section in ("batch_norm", "multiworker"), entry  # features not yet there
+                continue
+            assert _positive(entry["examples_per_second"]), (section, entry)
+            assert _positive(entry["step_ms"]), (section, entry)
+    for entry in doc["allreduce"] + [doc["memcopy"]]:
+        assert entry["gbps"], entry
+        for size, gbps in entry["gbps"].items():
+            assert _positive(gbps), (entry, size)
+
+
+def test_table_and_plot_are_written(quick_run):
+    out, doc, _, stdout = quick_run
+    table = (out / "benchmarks.md").read_text()
+    assert "Quick-mode numbers" in table  # never mistaken for a real measurement
+    assert doc["environment"]["cpu_model"] in table and "ours / stock" in table
+    assert "| small CNN | 2 CPU |" in table
+    png = (out / "benchmarks.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "targets (quick mode)" in stdout
+
+
+def test_published_results_are_left_alone(quick_run):
+    _, _, before, _ = quick_run
+    assert _mtimes() == before
