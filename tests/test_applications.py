@@ -71,7 +71,7 @@ def test_last_batch_norm_of_every_residual_block_starts_at_zero(resnet50):
     # So every block starts as the identity on its (shortcut) input.
     block_in = resnet50.get_layer("conv2_block1_out").output
     probe = keras.Model(resnet50.input, [block_in, resnet50.get_layer("conv2_block2_out").output])
-    x = np.random.default_rng(0).normal(size=(2, 64, 64, 3)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(1, 224, 224, 3)).astype("float32")
     before, after = probe(x, training=False)
     np.testing.assert_allclose(after, before, atol=1e-6)
 
@@ -110,7 +110,8 @@ def test_weight_decay_on_kernels_only_not_on_batch_norm_or_bias(resnet50):
 def test_weight_decay_zero_and_custom():
     small = dict(num_classes=10, input_shape=(16, 16, 3), width=8, stem="small")
     assert kr.applications.resnet((1,), weight_decay=0.0, **small).losses == []
-    _assert_decay_on_kernels_only(kr.applications.resnet((1,), weight_decay=5e-5, **small), 5e-5, 5)
+    # The stem, the block's three convolutions and its projection shortcut, the classifier.
+    _assert_decay_on_kernels_only(kr.applications.resnet((1,), weight_decay=5e-5, **small), 5e-5, 6)
 
 
 def test_keras_applications_variant_is_converted_with_the_same_rules():
@@ -143,7 +144,7 @@ def test_resnet_saves_and_loads(tmp_path):
     loaded = keras.models.load_model(path)
     x = np.random.default_rng(1).normal(size=(2, 8, 8, 3)).astype("float32")
     np.testing.assert_allclose(loaded(x, training=False), model(x, training=False), atol=1e-6)
-    assert len(_batch_norms(loaded)) == 4
+    assert len(_batch_norms(loaded)) == 5  # stem, 3 in the block, 1 on the shortcut
 
 
 def test_mixed_precision_computes_in_bfloat16_and_classifies_in_float32():

@@ -85,16 +85,18 @@ def _crop(image: tf.Tensor, top, left, height, width) -> tf.Tensor:
     return image[top : top + height, left : left + width, :]
 
 
-def _check_image(image: tf.Tensor) -> None:
+def _check_image(image: Any) -> tf.Tensor:
+    image = tf.convert_to_tensor(image)
     if image.dtype == tf.string:
         if image.shape.rank not in (None, 0):
             raise ValueError(f"Encoded images must be scalar strings (one JPEG), got shape {image.shape}.")
-        return
+        return image
     if image.shape.rank != 3:
         raise ValueError(
             f"Images must be (height, width, channels) tensors or JPEG bytes; got shape {image.shape}. "
             "The transforms work on one example: apply them with Dataset.map before batching."
         )
+    return image
 
 
 def _finish(image: tf.Tensor, image_size: int, mean, stddev, dtype) -> tf.Tensor:
@@ -156,7 +158,7 @@ def preprocess_for_train(
     image_size = _check_image_size(image_size)
     area_range = _check_range("area_range", area_range, 0.0, 1.0)
     aspect_ratio_range = _check_range("aspect_ratio_range", aspect_ratio_range, 0.0, None)
-    _check_image(image)
+    image = _check_image(image)
     seed = tf.convert_to_tensor(seed)
     crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
     shape = _image_shape(image)
@@ -216,7 +218,7 @@ def preprocess_for_eval(
     image_size = _check_image_size(image_size)
     if not 0.0 < crop_fraction <= 1.0:
         raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
-    _check_image(image)
+    image = _check_image(image)
     shape = _image_shape(image)
     height, width = shape[0], shape[1]
     side = tf.maximum(
@@ -270,7 +272,7 @@ def input_fn(
     non-commercial terms), put them in ``<data_dir>/downloads/manual/`` and run
     ``tfds build imagenet2012 --data_dir <data_dir>`` once (about 150 GB, a few
     hours). Tests and the tutorial's smoke mode use ``tfds.testing.mock_data``
-    instead.
+    instead. Needs ``tensorflow-datasets`` (``pip install "keras-replicator[datasets]"``).
 
     Example:
         ```python
@@ -318,11 +320,7 @@ def input_fn(
         import tensorflow_datasets as tfds
 
         pipeline = ctx.input_pipeline_id if ctx is not None else 0
-        read_config = tfds.ReadConfig(
-            input_context=ctx,
-            shuffle_seed=seed + pipeline,
-            interleave_cycle_length=16 if training else None,
-        )
+        read_config = tfds.ReadConfig(input_context=ctx, shuffle_seed=seed + pipeline)
         ds = tfds.load(
             "imagenet2012",
             split=split,
@@ -332,23 +330,26 @@ def input_fn(
             decoders={"image": tfds.decode.SkipDecoding()},
             read_config=read_config,
         )
-        if training:
-            ds = ds.shuffle(shuffle_buffer, seed=seed + pipeline).repeat()
-        ds = tf.data.Dataset.zip(ds, example_seeds(seed + 7919 * (pipeline + 1)))
+        if not training:
 
-        def transform(example, example_seed):
-            image, label = example
-            if training:
-                image = preprocess_for_train(
-                    image, example_seed, image_size=image_size, area_range=area_range, dtype=dtype
-                )
-            else:
+            def evaluation_example(image, label):
                 image = preprocess_for_eval(
                     image, image_size=image_size, crop_fraction=crop_fraction, dtype=dtype
                 )
+                return image, tf.one_hot(label, num_classes)
+
+            return ds.map(evaluation_example, num_parallel_calls=tf.data.AUTOTUNE)
+
+        def training_example(example, example_seed):
+            image, label = example
+            image = preprocess_for_train(
+                image, example_seed, image_size=image_size, area_range=area_range, dtype=dtype
+            )
             return image, tf.one_hot(label, num_classes)
 
-        return ds.map(transform, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.shuffle(shuffle_buffer, seed=seed + pipeline).repeat()
+        ds = tf.data.Dataset.zip(ds, example_seeds(seed + 7919 * (pipeline + 1)))
+        return ds.map(training_example, num_parallel_calls=tf.data.AUTOTUNE)
 
     return fn
 
@@ -358,8 +359,8 @@ def mixed_precision_policy(strategy: tf.distribute.Strategy | None = None) -> st
 
     ``"mixed_float16"`` on GPUs, ``"mixed_bfloat16"`` on TPUs and CPUs (modern
     x86 CPUs run bfloat16 convolutions natively). Give it as ``dtype=`` to
-    :func:`keras_replicator.applications.resnet50`; Keras then adds loss scaling
-    for float16 by itself.
+    :func:`keras_replicator.applications.resnet50`; :meth:`Recipe.compile` then
+    adds loss scaling for float16.
 
     Example:
         ```python
@@ -381,7 +382,11 @@ _SCHEDULES = ("cosine", "step")
 LARGE_BATCH = 16_384
 
 
-@keras.saving.register_keras_serializable(package="keras_replicator")
+def _uses_float16(model: keras.Model) -> bool:
+    policies = [model.dtype_policy] + [layer.dtype_policy for layer in model.layers]
+    return any(getattr(p, "name", None) == "mixed_float16" for p in policies)
+
+
 class LearningRateDecay(keras.callbacks.Callback):
     """Cosine or step decay of the learning rate after a warmup, step by step.
 
@@ -634,6 +639,9 @@ class Recipe:
     def compile(self, model: keras.Model, *, steps_per_execution: int = 1, **kwargs: Any) -> keras.Model:
         """Compiles ``model`` with the recipe's optimizer, loss and metrics (call under the strategy scope).
 
+        Under a ``"mixed_float16"`` policy the optimizer is wrapped in
+        ``keras.optimizers.LossScaleOptimizer`` (dynamic loss scaling).
+
         Example:
             ```python
             with strategy.scope():
@@ -648,8 +656,13 @@ class Recipe:
         Returns:
             ``model``.
         """
+        optimizer = self.optimizer()
+        if _uses_float16(model):
+            # Keras only adds loss scaling by itself when the model's own policy is
+            # mixed_float16; a functional model's layers carry the policy instead.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         model.compile(
-            optimizer=self.optimizer(),
+            optimizer=optimizer,
             loss=self.loss(),
             metrics=self.metrics(),
             steps_per_execution=steps_per_execution,

@@ -248,7 +248,7 @@ def resnet(
         name: the model's name.
 
     Returns:
-        An unbuilt-optimizer ``keras.Model`` from images to ``num_classes`` logits.
+        An uncompiled ``keras.Model`` from images to ``num_classes`` logits.
 
     Raises:
         ValueError: an argument is out of range or not one of its choices.
