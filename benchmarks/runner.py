@@ -131,9 +131,12 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
     configs.append(Config("steps_per_execution", {"steps_per_execution": 8, "devices": k},
                           _train_spec("cnn", "ours", k, s, steps_per_execution=8), s.rounds))
     if env.get("global_batch_norm_available"):
-        for bn in ("keras_sync", "global"):
-            configs.append(Config("batch_norm", {"batch_norm": bn, "devices": k},
-                                  _train_spec("cnn_bn", "ours", k, s, batch_norm=bn), s.rounds))
+        # The CNN always; ResNet-50 (53 batch-norm layers) when ResNet-50 is measured.
+        for model in ["cnn_bn"] + (["resnet50"] if "resnet50" in s.models else []):
+            rounds = s.resnet_rounds if model == "resnet50" else s.rounds
+            for bn in ("keras_sync", "global"):
+                configs.append(Config("batch_norm", {"model": model, "batch_norm": bn, "devices": k},
+                                      _train_spec(model, "ours", k, s, batch_norm=bn), rounds))
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
                 else {"warmup_steps": 5, "windows": 5, "window_steps": 10})
     for strategy in ("stock", "ours"):

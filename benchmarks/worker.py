@@ -263,15 +263,30 @@ def _batch_norm(kind: str):
 
 def build_model(name: str, batch_norm: str = "keras"):
     """``cnn``: a 4-conv CNN; ``cnn_bn``: the same with batch norm after each conv;
-    ``resnet50``: ``keras.applications.ResNet50`` at 32x32 (its own plain BN)."""
+    ``resnet50``: ``keras.applications.ResNet50`` at 32x32 with ``batch_norm``
+    (``keras``: its own plain BN; ``keras_sync``: ``synchronized=True``;
+    ``global``: converted to ``GlobalBatchNormalization``)."""
     import keras
 
     keras.utils.set_random_seed(0)
     shape = (IMAGE_SIZE, IMAGE_SIZE, 3)
     if name == "resnet50":
-        return keras.applications.ResNet50(
+        model = keras.applications.ResNet50(
             weights=None, input_shape=shape, classes=NUM_CLASSES, classifier_activation=None
         )
+        if batch_norm == "global":
+            from keras_replicator.layers import convert_to_global_batch_norm
+
+            return convert_to_global_batch_norm(model)
+        if batch_norm == "keras_sync":
+            def synchronized(layer):
+                config = layer.get_config()
+                if isinstance(layer, keras.layers.BatchNormalization):
+                    config["synchronized"] = True
+                return type(layer).from_config(config)
+
+            return keras.models.clone_model(model, clone_function=synchronized)
+        return model
     if name not in ("cnn", "cnn_bn"):
         raise ValueError(f"unknown model {name!r}")
     inputs = keras.Input(shape)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+_Number = TypeVar("_Number", int, float)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -26,34 +30,40 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _number_type(
+    convert: Callable[[str], _Number], requirement: str, ok: Callable[[_Number], bool]
+) -> Callable[[str], _Number]:
+    """An argparse ``type=``: ``convert(text)``, refused unless ``ok``.
+
+    Example:
+        ```python
+        parser.add_argument("--workers", type=_number_type(int, "at least 1", lambda v: v >= 1))
+        ```
+    """
+    noun = "an integer" if convert is int else "a number"
+
+    def parse(text: str) -> _Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(value):  # written as "not ok" so that NaN is refused too
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+_positive_int = _number_type(int, "at least 1", lambda v: v >= 1)
+_non_negative_int = _number_type(int, "at least 0", lambda v: v >= 0)
+_positive_float = _number_type(float, "positive", lambda v: v > 0)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+def _add_job_arguments(parser: argparse.ArgumentParser, script_help: str) -> None:
+    """The arguments every job-starting sub-command takes: N workers running one script."""
+    parser.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    parser.add_argument("script", help=script_help)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -108,15 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and its exit code is returned. TensorFlow's workers are unauthenticated: keep HOST "
         "on a private network.",
     )
-    launch.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    _add_job_arguments(launch, "the Python script every worker runs")
     launch.add_argument("--devices-per-worker", type=_positive_int, default=None, metavar="K",
                         help="simulate K CPU devices in each worker")
     launch.add_argument("--host", default="127.0.0.1",
                         help="address the workers reach each other on (default 127.0.0.1)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
                         help="stop every worker after this long and exit with 124")
-    launch.add_argument("script", help="the Python script every worker runs")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     launch.set_defaults(func=_launch)
 
     k8s = commands.add_parser(
@@ -125,15 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints a Kubeflow TFJob running SCRIPT (a path inside IMAGE) on N worker "
         "pods; the training operator sets TF_CONFIG in each. Apply with: kubectl apply -f -",
     )
-    k8s.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    _add_job_arguments(k8s, "the script's path inside the image")
     k8s.add_argument("--image", required=True, help="container image with the script")
     k8s.add_argument("--name", default="keras-replicator", help="the TFJob's name")
     k8s.add_argument("--namespace", default=None)
     k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G")
     k8s.add_argument("--restart-policy", default="OnFailure",
                      choices=["OnFailure", "Always", "Never", "ExitCode"])
-    k8s.add_argument("script", help="the script's path inside the image")
-    k8s.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     k8s.set_defaults(func=_k8s)
     return parser
 

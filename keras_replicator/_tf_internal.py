@@ -22,6 +22,7 @@ from tensorflow.python.distribute import (  # noqa: F401  (re-exported)
     mirrored_strategy,
 )
 from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
@@ -174,6 +175,61 @@ def skip_optimizer_gradient_all_reduce(optimizer) -> None:
                 )
             opt._all_reduce_sum_gradients = _already_reduced
         opt = getattr(opt, "inner_optimizer", None)
+
+
+# --- TensorFlow replica-context all-reduce (checked on TF 2.16-2.21) ------------
+
+
+def install_all_reduce_gradient_patch() -> None:
+    """Makes differentiable all-reduces cheap to trace under our strategies.
+
+    Why: ``ReplicaContext.all_reduce`` attaches its gradient (the all-reduce of
+    the upstream gradient) with ``tf.custom_gradient``. In a traced function
+    ``tf.custom_gradient`` walks the graph backward from the result to find the
+    variables it depends on, stopping only at the function's inputs and at
+    non-differentiable ops. Through an all-reduce that walk enters every other
+    replica's graph and follows it back to the model's inputs, so tracing a
+    model with one all-reduce per layer (Keras's ``BatchNormalization
+    (synchronized=True)``, ``kr.all_reduce`` in a layer) takes time that grows
+    with the square of its depth: ResNet-50 with synchronized batch norm did not
+    finish its first step in 10 minutes on 4 simulated replicas.
+
+    For our strategies, dense SUM/MEAN all-reduces reduce ``stop_gradient`` of
+    the inputs (the walk stops there at once) and attach the same gradient, an
+    all-reduce of the upstream gradient, one level up. Values and gradients are
+    unchanged, second-order gradients included. Other strategies, and
+    ``IndexedSlices``, keep TensorFlow's behaviour. Idempotent.
+    """
+    original = distribute_lib.ReplicaContext.all_reduce
+    if getattr(original, "_keras_replicator_patch", False):
+        return
+
+    def all_reduce(self, reduce_op, value, options=None):
+        flat = tf.nest.flatten(value)
+        if (
+            not getattr(self._strategy, "_keras_replicator", False)
+            or not flat
+            or not all(isinstance(v, tf.Tensor) for v in flat)
+        ):
+            return original(self, reduce_op, value, options)
+
+        @tf.custom_gradient
+        def reduce(*xs):
+            ys = original(self, reduce_op, [tf.stop_gradient(x) for x in xs], options)
+            return ys, lambda *dys: all_reduce(self, reduce_op, list(dys), options)
+
+        return tf.nest.pack_sequence_as(value, reduce(*flat))
+
+    all_reduce._keras_replicator_patch = True
+    distribute_lib.ReplicaContext.all_reduce = all_reduce
+
+
+def gradient_tape_recording() -> bool:
+    """True if a ``tf.GradientTape`` is recording, e.g. while a gradient is being
+    taken inside an outer tape (a gradient penalty). TF 2.16-2.21:
+    ``record.could_possibly_record``; no public equivalent exists.
+    """
+    return _record.could_possibly_record()
 
 
 # --- Multi-worker (checked on TF 2.21) ----------------------------------------

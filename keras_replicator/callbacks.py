@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -95,20 +96,41 @@ class _GlobalBatch:
         self.value = max(1, round(seen / steps_in_epoch))
 
 
+class _ConfigFromArguments(keras.callbacks.Callback):
+    """A callback whose Keras config is its constructor's arguments.
+
+    Each subclass keeps every argument named in ``_config_keys`` as an attribute
+    of the same name, so one ``get_config``/``from_config`` pair serves them all.
+    """
+
+    _config_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: dict) -> _ConfigFromArguments:
+        return cls(**config)
+
+    def get_config(self) -> dict:
+        return {key: getattr(self, key) for key in self._config_keys}
+
+
 @keras.saving.register_keras_serializable(package="keras_replicator")
-class LearningRateWarmup(keras.callbacks.Callback):
+class LearningRateWarmup(_ConfigFromArguments):
     """Linear learning-rate scaling with gradual warmup (Goyal et al., 2017).
 
     The target learning rate is ``base_lr * global_batch / reference_batch``.
     Training starts at ``base_lr`` and the rate grows linearly, step by step,
     to the target over ``warmup_epochs`` epochs; from then on the callback no
-    longer touches it.
+    longer touches it. A warmup only ever raises the rate: when the global
+    batch is at most ``reference_batch`` the target is at most ``base_lr``, and
+    the target rate applies from the first step.
 
     The global batch (all replicas, all workers) is ``global_batch_size`` if
     given, else measured on the first step (from the examples counted by the
     model's ``loss`` metric). Pass it explicitly when resuming a run in the
-    middle of the warmup: the first resumed step then already has the right
-    rate.
+    middle of the warmup, or when the global batch may be below
+    ``reference_batch``: a measured batch is known only after the first step,
+    which therefore runs at ``base_lr`` (with a warning if that was above the
+    target).
 
     To follow the warmup with a schedule, use a callback that changes the
     rate relative to the current one, listed **after** this one; it sees the
@@ -142,6 +164,8 @@ class LearningRateWarmup(keras.callbacks.Callback):
         verbose: ``1`` prints when the warmup ends.
     """
 
+    _config_keys = ("base_lr", "warmup_epochs", "reference_batch", "global_batch_size", "verbose")
+
     def __init__(
         self,
         base_lr: float,
@@ -165,6 +189,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._epoch = 0
         self._steps_per_epoch = None
         self._done = False
+        self._started_at_base_lr = False
 
     @property
     def global_batch(self) -> int | None:
@@ -187,6 +212,8 @@ class LearningRateWarmup(keras.callbacks.Callback):
             warmup.learning_rate(0, steps_per_epoch=100, global_batch_size=1024)    # 0.1
             warmup.learning_rate(250, steps_per_epoch=100, global_batch_size=1024)  # 0.25
             warmup.learning_rate(500, steps_per_epoch=100, global_batch_size=1024)  # 0.4
+            # a global batch below reference_batch (256): the scaled rate at once, no ramp
+            warmup.learning_rate(0, steps_per_epoch=100, global_batch_size=64)      # 0.025
             ```
 
         Args:
@@ -198,7 +225,8 @@ class LearningRateWarmup(keras.callbacks.Callback):
         warmup_steps = int(round(self.warmup_epochs * steps_per_epoch))
         if step >= warmup_steps:
             return target
-        return self.base_lr + (target - self.base_lr) * step / warmup_steps
+        start = min(self.base_lr, target)  # warm up from a small rate, never down to one
+        return start + (target - start) * step / warmup_steps
 
     def _warmup_steps(self) -> int:
         return int(round(self.warmup_epochs * self._steps_per_epoch))
@@ -209,6 +237,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._batch.reset()
         self._done = False
+        self._started_at_base_lr = False
         steps = (self.params or {}).get("steps")
         if not steps:
             raise ValueError(
@@ -246,13 +275,26 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if self._batch.value is not None:
             self._set_lr(self.learning_rate(step, self._steps_per_epoch, self._batch.value))
         elif step == 0:
-            self._set_lr(self.base_lr)  # the first rate does not depend on the batch
+            # Not measured yet: base_lr is the right start unless the global batch turns
+            # out to be below reference_batch, which on_train_batch_end warns about.
+            self._set_lr(self.base_lr)
+            self._started_at_base_lr = True
         # else: the first step of a run resumed mid-warmup, batch not measured yet:
         # the restored rate stays for this one step.
 
     def on_train_batch_end(self, batch, logs=None):
         if self._batch.value is None:
             self._batch.observe(self.model, batch + 1)
+            if self._started_at_base_lr and self.target_lr < self.base_lr:
+                warnings.warn(
+                    f"LearningRateWarmup: the global batch ({self._batch.value}) is below "
+                    f"reference_batch ({self.reference_batch}), so the rate should have been the "
+                    f"target {self.target_lr:g} from the first step, but the first {batch + 1} "
+                    f"step(s) ran at base_lr={self.base_lr:g} before the batch was measured. "
+                    f"Pass global_batch_size={self._batch.value} to avoid this.",
+                    stacklevel=2,
+                )
+            self._started_at_base_lr = False
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -270,22 +312,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
             )
         return True
 
-    @classmethod
-    def from_config(cls, config: dict) -> LearningRateWarmup:
-        return cls(**config)
-
-    def get_config(self) -> dict:
-        return {
-            "base_lr": self.base_lr,
-            "warmup_epochs": self.warmup_epochs,
-            "reference_batch": self.reference_batch,
-            "global_batch_size": self.global_batch_size,
-            "verbose": self.verbose,
-        }
-
 
 @keras.saving.register_keras_serializable(package="keras_replicator")
-class Throughput(keras.callbacks.Callback):
+class Throughput(_ConfigFromArguments):
     """Examples per second (global and per replica) and step time, per epoch.
 
     Adds to each epoch's logs, hence to ``History`` and to TensorBoard:
@@ -327,6 +356,8 @@ class Throughput(keras.callbacks.Callback):
         global_batch_size: examples per step over all replicas; ``None``
             counts them.
     """
+
+    _config_keys = ("single_replica_rate", "global_batch_size")
 
     def __init__(self, *, single_replica_rate: float | None = None, global_batch_size: int | None = None):
         super().__init__()
@@ -397,16 +428,6 @@ class Throughput(keras.callbacks.Callback):
             logs.update(values)
         self.last = values
 
-    @classmethod
-    def from_config(cls, config: dict) -> Throughput:
-        return cls(**config)
-
-    def get_config(self) -> dict:
-        return {
-            "single_replica_rate": self.single_replica_rate,
-            "global_batch_size": self.global_batch_size,
-        }
-
 
 class ReplicaDivergenceError(RuntimeError):
     """Raised by :class:`ReplicaConsistencyCheck` when replica copies differ."""
@@ -448,7 +469,7 @@ def _path(variable) -> str:
 
 
 @keras.saving.register_keras_serializable(package="keras_replicator")
-class ReplicaConsistencyCheck(keras.callbacks.Callback):
+class ReplicaConsistencyCheck(_ConfigFromArguments):
     """Checks that every mirrored variable is identical on all replicas and workers.
 
     Every ``every_n_steps`` training steps (and at the end of training) each
@@ -482,6 +503,8 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
             iteration count).
         check_at_end: also check when training ends.
     """
+
+    _config_keys = ("every_n_steps", "include_optimizer", "check_at_end")
 
     def __init__(self, every_n_steps: int = 100, *, include_optimizer: bool = True, check_at_end: bool = True):
         super().__init__()
@@ -575,14 +598,3 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
                 "per-replica updates (random ops, assign() on a mirrored variable from one "
                 "replica, non-deterministic layers) touching this variable."
             )
-
-    @classmethod
-    def from_config(cls, config: dict) -> ReplicaConsistencyCheck:
-        return cls(**config)
-
-    def get_config(self) -> dict:
-        return {
-            "every_n_steps": self.every_n_steps,
-            "include_optimizer": self.include_optimizer,
-            "check_at_end": self.check_at_end,
-        }

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import tensorflow as tf
 
 from keras_replicator import _tf_internal
+
+_T = TypeVar("_T")
 
 
 class DeviceConfigurationError(RuntimeError):
@@ -296,6 +299,14 @@ def _expand_tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
+def _read_slurm(env: Mapping[str, str], name: str, parse: Callable[[str], _T], form: str) -> _T:
+    """``parse(env[name])``; a ClusterConfigError naming the variable if it cannot be read."""
+    try:
+        return parse(env[name])
+    except ValueError:
+        raise ClusterConfigError(f"Slurm's {name}={env[name]!r} is not {form}.") from None
+
+
 def slurm_cluster(
     environ: Mapping[str, str] | None = None,
 ) -> tf.distribute.cluster_resolver.ClusterResolver | None:
@@ -328,27 +339,19 @@ def slurm_cluster(
     env = os.environ if environ is None else environ
     if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return None
-    try:
-        num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
-        rank = int(env["SLURM_PROCID"])
-    except ValueError:
-        raise ClusterConfigError(
-            f"SLURM_STEP_NUM_TASKS={env['SLURM_STEP_NUM_TASKS']!r} and SLURM_PROCID="
-            f"{env['SLURM_PROCID']!r} must be integers."
-        ) from None
+    num_tasks = _read_slurm(env, "SLURM_STEP_NUM_TASKS", int, "an integer")
+    rank = _read_slurm(env, "SLURM_PROCID", int, "an integer")
     if num_tasks <= 1:
         return None
     missing = [v for v in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE") if not env.get(v)]
     if missing:
         raise ClusterConfigError(f"A Slurm job step with {num_tasks} tasks but {missing} unset.")
-    try:
-        hosts = _expand_hostlist(env["SLURM_STEP_NODELIST"])
-        per_node = _expand_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
-    except ValueError:
-        raise ClusterConfigError(
-            f"Cannot read SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST']!r} / "
-            f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r}."
-        ) from None
+    hosts = _read_slurm(
+        env, "SLURM_STEP_NODELIST", _expand_hostlist, "a node list such as 'gpu[01-04],cpu7'"
+    )
+    per_node = _read_slurm(
+        env, "SLURM_STEP_TASKS_PER_NODE", _expand_tasks_per_node, "a task count list such as '2(x3),1'"
+    )
     if len(hosts) != len(per_node) or sum(per_node) != num_tasks:
         raise ClusterConfigError(
             f"Slurm says {num_tasks} tasks on nodes {hosts} with {per_node} tasks each; these disagree."

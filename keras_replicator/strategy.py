@@ -47,26 +47,31 @@ _COMMUNICATION = {
 }
 
 
-def _normalise_devices(devices) -> list[str]:
-    if devices is None:
-        return cluster.local_devices()
-    if isinstance(devices, str):
-        devices = [devices]
+def _device_strings(devices) -> list[str]:
+    """A ``devices=`` argument (a name, or names and LogicalDevices) as a non-empty list of names."""
+    names = [devices] if isinstance(devices, str) else devices
     try:
-        devices = list(devices)
+        names = list(names)
     except TypeError:
         raise TypeError(
             f"devices must be a list of device names such as ['/gpu:0', '/gpu:1'], got {devices!r}"
         ) from None
-    if not devices:
+    if not names:
         raise ValueError("devices is empty: give at least one device, or None for all local devices.")
-    names = []
-    for d in devices:
+    out = []
+    for d in names:
         if isinstance(d, tf.config.LogicalDevice):
             d = d.name
         if not isinstance(d, str):
             raise TypeError(f"Each device must be a string such as '/gpu:0', got {d!r}.")
-        names.append(d)
+        out.append(d)
+    return out
+
+
+def _normalise_devices(devices) -> list[str]:
+    if devices is None:
+        return cluster.local_devices()
+    names = _device_strings(devices)
     specs = [tf.DeviceSpec.from_string(d) for d in names]
     if len({s.to_string() for s in specs}) != len(specs):
         raise ValueError(f"devices has duplicates: {names}")
@@ -186,19 +191,9 @@ def _local_device_names(devices) -> list[str] | None:
     """Checks the form of a multi-worker ``devices=`` argument without starting TensorFlow."""
     if devices is None:
         return None
-    names = [devices] if isinstance(devices, str) else devices
-    try:
-        names = list(names)
-    except TypeError:
-        raise TypeError(f"devices must be a list of device names such as ['/gpu:0'], got {devices!r}") from None
-    if not names:
-        raise ValueError("devices is empty: give at least one device, or None for all local devices.")
+    names = _device_strings(devices)
     out = []
     for d in names:
-        if isinstance(d, tf.config.LogicalDevice):
-            d = d.name
-        if not isinstance(d, str):
-            raise TypeError(f"Each device must be a string such as '/gpu:0', got {d!r}.")
         spec = tf.DeviceSpec.from_string(d)
         if spec.job not in (None, "localhost") or spec.task not in (None, 0):
             raise ValueError(
@@ -453,6 +448,7 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
             )
         super().__init__(extended)
         _tf_internal.install_keras_patches()
+        _tf_internal.install_all_reduce_gradient_patch()
         # Plain Keras BatchNormalization: moving statistics kept identical across replicas.
         layers._install_batch_norm_guard()
 

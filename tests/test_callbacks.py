@@ -68,6 +68,27 @@ def test_warmup_with_explicit_global_batch_and_steps_per_execution():
     assert warmup.learning_rate(3, steps_per_epoch=4, global_batch_size=16) == pytest.approx(0.15)
 
 
+def test_warmup_never_ramps_down_when_the_global_batch_is_below_the_reference():
+    # 2 replicas x 4 = global batch 8, reference 32: target = 0.1 / 4 = 0.025, which is
+    # below base_lr, so there is nothing to warm up: every step runs at the target.
+    x, y = regression_data(32)  # 4 steps per epoch; warmup 1 epoch, then 1 epoch after it
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = compiled(strategy_for(2), lambda: keras.optimizers.SGD(0.5))
+    given = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=1, reference_batch=32,
+                                            global_batch_size=8)
+    probe = LearningRateProbe()
+    model.fit(x, y, callbacks=[given, probe], **fit)
+    np.testing.assert_allclose(probe.rates, [0.025] * 8, rtol=1e-6)
+    assert [given.learning_rate(s, 4, 8) for s in range(6)] == pytest.approx([0.025] * 6)
+
+    # Measured, the batch is known only after the first step, which ran at base_lr: warned.
+    measured = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=1, reference_batch=32)
+    probe = LearningRateProbe()
+    with pytest.warns(UserWarning, match=r"first 1 step\(s\) ran at base_lr=0.1 .* global_batch_size=8"):
+        model.fit(x, y, callbacks=[measured, probe], **fit)
+    np.testing.assert_allclose(probe.rates, [0.1] + [0.025] * 7, rtol=1e-6)
+
+
 def test_warmup_refuses_what_it_cannot_do_before_training():
     x, y = regression_data(64)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)

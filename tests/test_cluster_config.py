@@ -193,9 +193,11 @@ def test_no_slurm_step_or_one_task_is_not_a_cluster(env, expected):
         ({"SLURMD_NODENAME": "gpu07"}, "Slurm task 3 runs on 'gpu07', but block placement puts it on 'gpu08'"),
         ({"SLURM_STEP_TASKS_PER_NODE": "2,2"}, "these disagree"),
         ({"SLURM_STEP_NODELIST": None}, "SLURM_STEP_NODELIST"),
-        ({"SLURM_PROCID": "x"}, "must be integers"),
+        ({"SLURM_PROCID": "x"}, "Slurm's SLURM_PROCID='x' is not an integer"),
+        ({"SLURM_STEP_NUM_TASKS": "five"}, "Slurm's SLURM_STEP_NUM_TASKS='five' is not an integer"),
         ({"SLURM_PROCID": "9"}, "SLURM_PROCID=9 is not in [0, 5)"),
-        ({"SLURM_STEP_TASKS_PER_NODE": "2(y2)"}, "Cannot read SLURM_STEP_NODELIST"),
+        ({"SLURM_STEP_NODELIST": "gpu[07-08"}, "Slurm's SLURM_STEP_NODELIST='gpu[07-08' is not a node list"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(y2)"}, "Slurm's SLURM_STEP_TASKS_PER_NODE='2(y2)' is not a task count"),
         ({"KERAS_REPLICATOR_SLURM_PORT_BASE": "70000"}, "is not a usable port number"),
     ],
 )

@@ -261,32 +261,36 @@ def test_grouped_training_matches_one_device_ghost_batch_norm(strategy):
 
 
 def test_second_order_gradients_match_one_device(strategy):
-    # A gradient penalty (WGAN-GP style) differentiates through the layer's gradient.
+    # A gradient penalty (WGAN-GP style) differentiates through the layer's gradient,
+    # including its dependence on the batch statistics (through the weight ``v`` upstream).
     rng = np.random.default_rng(9)
     x = (rng.normal(size=(16, 5)) * 2 + 1).astype("float32")
     w = rng.normal(size=(16, 5)).astype("float32")
+    v0 = (rng.normal(size=5) + 1.5).astype("float32")
 
-    def penalty_gradients(layer, x, w):
+    def penalty_gradients(layer, v, x, w):
         with tf.GradientTape() as outer:
             with tf.GradientTape() as inner:
                 inner.watch(x)
-                loss = tf.reduce_sum(tf.sin(layer(x, training=True)) * w)
+                loss = tf.reduce_sum(tf.sin(layer(x * v, training=True)) * w)
             g = inner.gradient(loss, x)
             penalty = tf.reduce_sum(g * g)
-        return outer.gradient(penalty, layer.trainable_weights)
+        return outer.gradient(penalty, [v, *layer.trainable_weights])
 
     reference = keras.layers.BatchNormalization(gamma_initializer="random_normal", beta_initializer="random_normal")
     reference.build(x.shape)
-    expected = penalty_gradients(reference, tf.constant(x), tf.constant(w))
+    expected = penalty_gradients(reference, tf.Variable(v0), tf.constant(x), tf.constant(w))
     with strategy.scope():
         layer = kr.layers.GlobalBatchNormalization()
         layer.build(x.shape)
         layer.set_weights(reference.get_weights())
-    step = tf.function(lambda x, w: strategy.run(lambda x, w: penalty_gradients(layer, x, w), args=(x, w)))
+        v = tf.Variable(v0)
+    step = tf.function(lambda x, w: strategy.run(lambda x, w: penalty_gradients(layer, v, x, w), args=(x, w)))
     out = step(per_replica(strategy, np.split(x, REPLICAS)), per_replica(strategy, np.split(w, REPLICAS)))
+    assert len(out) == 3
     for per_replica_grads, want in zip(out, expected):
         summed = sum(np.asarray(v) for v in strategy.experimental_local_results(per_replica_grads))
-        np.testing.assert_allclose(summed, want, atol=1e-5)
+        np.testing.assert_allclose(summed, want, atol=1e-4, rtol=1e-5)
 
 
 # --- numerics --------------------------------------------------------------------------
