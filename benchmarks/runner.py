@@ -1,16 +1,20 @@
 """The benchmark plan, its interleaved rounds, and the outputs (JSON, Markdown, PNG).
 
 Every configuration runs in a fresh interpreter (``python -m benchmarks.worker``)
-because the number of simulated CPU devices is fixed when TensorFlow starts. A
-round runs every configuration once; odd rounds run the plan in reverse order,
-so that a slow drift of the machine's speed hits stock and ours alike (stock and
-ours on the same devices are neighbours in the plan). Each process reports the
-timed windows it measured after its warm-up; a configuration's figure is the
-median of all its windows over all rounds.
+because the number of simulated CPU devices is fixed when TensorFlow starts.
 
-ResNet-50 configurations take about a minute each to trace and compile with 4
-replicas on 2 cores, so the full run gives them ``--resnet-rounds`` (default 1)
-rounds and the small ones ``--rounds`` (default 2).
+The training configurations that are compared with each other (one device,
+stock and ours on the same devices; the two batch norms; ``steps_per_execution``
+1 and 8) form a *group*: their processes start together, warm up (trace,
+compile) side by side, and then take turns: one timed window each, in
+alternating order, while the others wait. Every comparison in the tables is
+thus between windows measured within seconds of each other, so that the
+machine's drift (other tenants of a shared machine, thermal state) hits both
+sides alike; and tracing, which runs on one core, overlaps across the group.
+
+Other configurations run one at a time. A round runs every group once; odd
+rounds run the plan in reverse order. A configuration's figure is the median of
+all its windows over all rounds.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import report
-from benchmarks.worker import RESULT_PREFIX, ROOT
+from benchmarks.worker import RESULT_PREFIX, ROOT, TURN
 
 DEFAULT_OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "benchmarks.png")
@@ -75,6 +79,8 @@ class Config:
     key: dict[str, Any]
     spec: dict[str, Any]
     rounds: int = 1
+    # Configurations with the same group take turns window by window (run_group).
+    group: str | None = None
     results: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped_rounds: int = 0
@@ -92,9 +98,9 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
     if s.quick:
         steps = {"warmup_steps": 2, "windows": s.windows, "window_steps": 4}
     elif resnet:
-        steps = {"warmup_steps": 2, "windows": 4, "window_steps": 3}
-    else:
-        steps = {"warmup_steps": 5, "windows": 5, "window_steps": 10}
+        steps = {"warmup_steps": 2, "windows": 5, "window_steps": 3}
+    else:  # multiples of 8 for steps_per_execution=8
+        steps = {"warmup_steps": 8, "windows": 6, "window_steps": 16}
     spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
             "global_batch": 64 if resnet else 128, "steps_per_execution": 1, **steps}
     spec.update(extra)
@@ -117,26 +123,34 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                 "allreduce", {"impl": impl, "devices": k},
                 {"kind": "allreduce", "impl": impl, "devices": k, "sizes_mb": list(s.sizes_mb),
                  "windows": s.windows + 2}, s.rounds))
+    k = max(s.device_counts)
     for model in s.models:
         rounds = s.resnet_rounds if model == "resnet50" else s.rounds
+        # One group per device count: stock and ours side by side; the one-device
+        # baseline joins the first group, steps_per_execution=8 the largest's.
         for one in [1] + (["gpu1"] if "gpu" in device_sets else []):
             configs.append(Config("training", {"model": model, "strategy": "one", "devices": one},
-                                  _train_spec(model, "one", one, s), rounds))
-        for k in device_sets:
+                                  _train_spec(model, "one", one, s), rounds,
+                                  group=f"{model}/{device_sets[0]}" if one == 1 else None))
+        for devices in device_sets:
             for strategy in ("stock", "ours"):
                 configs.append(Config("training",
-                                      {"model": model, "strategy": strategy, "devices": k},
-                                      _train_spec(model, strategy, k, s), rounds))
-    k = max(s.device_counts)
-    configs.append(Config("steps_per_execution", {"steps_per_execution": 8, "devices": k},
-                          _train_spec("cnn", "ours", k, s, steps_per_execution=8), s.rounds))
+                                      {"model": model, "strategy": strategy, "devices": devices},
+                                      _train_spec(model, strategy, devices, s), rounds,
+                                      group=f"{model}/{devices}"))
+            if model == "cnn" and devices == k:
+                configs.append(Config("steps_per_execution",
+                                      {"steps_per_execution": 8, "devices": k},
+                                      _train_spec("cnn", "ours", k, s, steps_per_execution=8),
+                                      rounds, group=f"{model}/{devices}"))
     if env.get("global_batch_norm_available"):
         # The CNN always; ResNet-50 (53 batch-norm layers) when ResNet-50 is measured.
         for model in ["cnn_bn"] + (["resnet50"] if "resnet50" in s.models else []):
             rounds = s.resnet_rounds if model == "resnet50" else s.rounds
             for bn in ("keras_sync", "global"):
                 configs.append(Config("batch_norm", {"model": model, "batch_norm": bn, "devices": k},
-                                      _train_spec(model, "ours", k, s, batch_norm=bn), rounds))
+                                      _train_spec(model, "ours", k, s, batch_norm=bn), rounds,
+                                      group=f"batch_norm/{model}"))
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
                 else {"warmup_steps": 5, "windows": 5, "window_steps": 10})
     for strategy in ("stock", "ours"):
@@ -155,18 +169,104 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
 
 def run_worker(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Runs one worker process; returns its result or raises RuntimeError."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    env.pop("TF_CONFIG", None)
-    env.pop("KR_TEST_DEVICES", None)
     try:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                              cwd=ROOT, env=_worker_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"timed out after {timeout:.0f} s") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"exit {proc.returncode}:\n{proc.stderr[-2500:]}")
     return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.pop("KR_TEST_DEVICES", None)
+    return env
+
+
+def run_group(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any] | RuntimeError]:
+    """Runs training workers side by side, taking turns window by window.
+
+    All start together and warm up concurrently; then each timed window runs
+    alone, the processes in turn (order reversed every other window), the others
+    waiting in a callback. Returns each worker's result, or the error it ended with.
+    """
+    import tempfile
+    import threading
+
+    procs, logs = [], []
+    for spec in specs:
+        log_file = tempfile.TemporaryFile(mode="w+")
+        logs.append(log_file)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.worker", json.dumps(dict(spec, turns=True))],
+            cwd=ROOT, env=_worker_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=log_file, text=True, bufsize=1))
+    expired = threading.Event()
+
+    def kill_all():
+        expired.set()
+        for p in procs:
+            p.kill()
+
+    watchdog = threading.Timer(timeout, kill_all)
+    watchdog.start()
+    outputs: list[list[str]] = [[] for _ in procs]
+    alive = [True] * len(procs)
+
+    def until_turn(i: int) -> None:
+        """Reads worker i's output up to its next turn (or its end)."""
+        for line in procs[i].stdout:
+            line = line.rstrip("\n")
+            if line == TURN:
+                return
+            outputs[i].append(line)
+        alive[i] = False
+
+    def send(i: int, line: str) -> None:
+        if alive[i]:
+            try:
+                procs[i].stdin.write(line + "\n")
+                procs[i].stdin.flush()
+            except (BrokenPipeError, OSError):
+                alive[i] = False
+
+    try:
+        for i in range(len(procs)):
+            until_turn(i)  # warmed up
+        windows = max(int(spec["windows"]) for spec in specs)
+        for w in range(windows):
+            for i in (range(len(procs)) if w % 2 == 0 else reversed(range(len(procs)))):
+                if alive[i]:
+                    send(i, "go")
+                    until_turn(i)
+        for i in range(len(procs)):
+            send(i, "end")
+        for i, p in enumerate(procs):
+            for line in p.stdout:
+                outputs[i].append(line.rstrip("\n"))
+            p.wait()
+    finally:
+        watchdog.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results: list[dict[str, Any] | RuntimeError] = []
+    for i, p in enumerate(procs):
+        lines = [ln for ln in outputs[i] if ln.startswith(RESULT_PREFIX)]
+        logs[i].seek(0)
+        stderr = logs[i].read()
+        logs[i].close()
+        if expired.is_set():
+            results.append(RuntimeError(f"timed out after {timeout:.0f} s"))
+        elif p.returncode != 0 or not lines:
+            results.append(RuntimeError(f"exit {p.returncode}:\n{stderr[-2500:]}"))
+        else:
+            results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+    return results
 
 
 def execute(configs: list[Config], settings: Settings, log=print) -> None:
@@ -179,33 +279,50 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
     started = time.perf_counter()
     durations: dict[str, float] = {}
 
-    def one(r: int, config: Config) -> None:
-        t0 = time.perf_counter()
-        if r > 0 and t0 - started + durations.get(config.name, 0.0) > settings.budget_seconds:
-            config.skipped_rounds += 1
-            log(f"  round {r + 1}: {config.name}: skipped (time budget spent)")
-            return
-        try:
-            result = run_worker(config.spec, settings.timeout)
-        except RuntimeError as error:
-            config.errors.append(str(error))
-            log(f"  round {r + 1}: {config.name}: FAILED ({str(error).splitlines()[0]})")
-            return
-        config.results.append(result)
-        durations[config.name] = time.perf_counter() - t0
-        log(f"  round {r + 1}: {config.name}: {_headline(result)} "
-            f"({time.perf_counter() - t0:.0f} s)")
+    def record(r: int, config: Config, outcome, seconds: float) -> None:
+        if isinstance(outcome, RuntimeError):
+            config.errors.append(str(outcome))
+            log(f"  round {r + 1}: {config.name}: FAILED ({str(outcome).splitlines()[0]})")
+        else:
+            config.results.append(outcome)
+            log(f"  round {r + 1}: {config.name}: {_headline(outcome)} ({seconds:.0f} s)")
 
+    def one(r: int, unit: list[Config]) -> None:
+        name = " + ".join(c.name for c in unit)
+        t0 = time.perf_counter()
+        if r > 0 and t0 - started + durations.get(name, 0.0) > settings.budget_seconds:
+            for config in unit:
+                config.skipped_rounds += 1
+                log(f"  round {r + 1}: {config.name}: skipped (time budget spent)")
+            return
+        if len(unit) == 1:
+            try:
+                outcomes = [run_worker(unit[0].spec, settings.timeout)]
+            except RuntimeError as error:
+                outcomes = [error]
+        else:
+            outcomes = run_group([c.spec for c in unit], settings.timeout)
+        durations[name] = time.perf_counter() - t0
+        for config, outcome in zip(unit, outcomes):
+            record(r, config, outcome, durations[name])
+
+    # Units: a group's configurations together, every other configuration alone.
+    units: list[list[Config]] = []
+    for config in configs:
+        if config.group is not None and units and units[-1][0].group == config.group:
+            units[-1].append(config)
+        else:
+            units.append([config])
     total_rounds = max(c.rounds for c in configs)
     for r in range(total_rounds):
-        order = configs if r % 2 == 0 else configs[::-1]
-        todo = [c for c in order if r < c.rounds and not c.errors]
+        order = units if r % 2 == 0 else units[::-1]
+        todo = [u for u in order if r < u[0].rounds and not any(c.errors for c in u)]
         if settings.jobs > 1:
             with concurrent.futures.ThreadPoolExecutor(settings.jobs) as pool:
-                list(pool.map(lambda c, r=r: one(r, c), todo))
+                list(pool.map(lambda u, r=r: one(r, u), todo))
         else:
-            for config in todo:
-                one(r, config)
+            for unit in todo:
+                one(r, unit)
 
 
 def _headline(result: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULT_PREFIX = "RESULT "
+TURN = "TURN"  # a worker in turns mode is between two timed windows
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Image side of the training benchmarks: ResNet-50 at 32x32 (CIFAR size) keeps
@@ -39,6 +40,14 @@ NUM_CLASSES = 10
 
 def _emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _take_turn() -> None:
+    """With ``turns`` (see ``runner.run_group``): says this process is between
+    timed windows and waits until the runner gives it the machine again."""
+    print(TURN, flush=True)
+    if not sys.stdin.readline():
+        raise SystemExit("the benchmark runner went away")
 
 
 def _setup_devices(devices: int | str) -> None:
@@ -205,7 +214,8 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
 
 def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     """Algorithm bandwidth (tensor bytes / time of one all-reduce) of an in-replica
-    sum of a float32 tensor of each size, across the replicas."""
+    sum of a float32 tensor of each size, across the replicas: ``chain`` (default
+    8) dependent all-reduces per traced call."""
     _setup_devices(spec["devices"])
     import tensorflow as tf
 
@@ -213,6 +223,7 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
     devices = _device_names(spec["devices"])
     strategy = _make_strategy(spec["impl"], devices, spec.get("cross_device_ops"))
+    chain = int(spec.get("chain", 8))
     out = {}
     for mb in spec["sizes_mb"]:
         n = int(mb * 2**20) // 4
@@ -222,7 +233,12 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
         @tf.function
         def step(v=v):
             def replica_fn():
-                return kr.all_reduce(v.read_value(), "sum")[:1]
+                # A chain of dependent all-reduces per call, so that the call's own
+                # cost (dispatch, reading v; ~0.3 ms) is not counted as the all-reduce's.
+                x = v.read_value()
+                for _ in range(chain):
+                    x = kr.all_reduce(x, "sum")
+                return x[:1]
 
             return strategy.run(replica_fn)
 
@@ -232,14 +248,14 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
         for _ in range(3):
             sync(step())
-        reps = max(3, int(spec.get("calls_mb", 128) / mb))
+        reps = max(3, int(spec.get("calls_mb", 128) / mb / chain))
         samples = []
         for _ in range(spec["windows"]):
             t = time.perf_counter()
             for _ in range(reps):
                 result = step()
             sync(result)
-            samples.append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
+            samples.append(n * 4 * reps * chain / (time.perf_counter() - t) / 1e9)
         out[str(mb)] = {"gbps": statistics.median(samples), "samples": samples}
         del v
     return {"sizes": out, "cross_device_ops": _describe_cross_device_ops(strategy),
@@ -325,7 +341,10 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     Spec: ``model``, ``strategy`` (``one`` | ``stock`` | ``ours``), ``devices``,
     ``global_batch``, ``steps_per_execution``, ``batch_norm``, ``warmup_steps``,
     ``windows``, ``window_steps`` (steps counts are multiples of
-    ``steps_per_execution``).
+    ``steps_per_execution``), and ``turns``: if true, the process prints
+    ``TURN`` after its warm-up and after each window and waits for a line on
+    stdin before the next, so that the runner can alternate the timed windows
+    of several processes (``runner.run_group``).
     """
     _setup_devices(spec["devices"])
     import keras
@@ -355,20 +374,35 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
             model = build_and_compile()
     build_seconds = time.perf_counter() - t0
 
-    times: list[float] = []
+    times: list[float] = []  # the clock at the end of each tick
+    resumed: dict[int, float] = {}  # with turns: when the window after tick i started
+    warmup_ticks = max(1, spec["warmup_steps"] // spe)
+    ticks_per_window = max(1, spec["window_steps"] // spe)
+    total_ticks = warmup_ticks + spec["windows"] * ticks_per_window
+    turns = bool(spec.get("turns"))
+    wall: list[float] = []  # with turns: wall-clock ends and starts of the windows
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter())
+            tick = len(times) - 1
+            if turns and tick >= warmup_ticks - 1 and (tick - warmup_ticks + 1) % ticks_per_window == 0:
+                wall.append(time.time())  # end of the window before (or of the warm-up)
+                _take_turn()
+                resumed[tick] = time.perf_counter()
+                wall.append(time.time())
 
-    warmup_ticks = max(1, spec["warmup_steps"] // spe)
-    ticks_per_window = max(1, spec["window_steps"] // spe)
-    total_ticks = warmup_ticks + spec["windows"] * ticks_per_window
     t0 = time.perf_counter()
     model.fit(_synthetic_dataset(batch), epochs=1, steps_per_epoch=total_ticks * spe,
               callbacks=[Clock()], verbose=0)
     fit_seconds = time.perf_counter() - t0
-    samples = _window_throughputs(times, batch * spe, ticks_per_window, warmup_ticks)
+    if turns:
+        samples = [
+            batch * spe * ticks_per_window / (times[end] - resumed[end - ticks_per_window])
+            for end in range(warmup_ticks - 1 + ticks_per_window, total_ticks, ticks_per_window)
+        ]
+    else:
+        samples = _window_throughputs(times, batch * spe, ticks_per_window, warmup_ticks)
     throughput = statistics.median(samples)
     return {
         "examples_per_second": throughput,
@@ -380,6 +414,8 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
         "build_seconds": build_seconds,
         "first_execution_seconds": times[0] - t0 if times else None,
         "fit_seconds": fit_seconds,
+        # With turns: [start, end] of each timed window, wall clock (comparable across processes).
+        "window_intervals": [[wall[i], wall[i + 1]] for i in range(1, len(wall) - 1, 2)],
     }
 
 

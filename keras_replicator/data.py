@@ -250,6 +250,24 @@ def _split(batches: tf.data.Dataset, num_slices: int, first: int, step: int, sta
     Slice ``j`` of a batch of ``n`` rows has ``n // num_slices`` rows, one more for
     ``j < n % num_slices``; the slices of one batch together are the batch, in order.
     """
+    leaves = [spec for spec in tf.nest.flatten(batches.element_spec) if spec is not None]
+    if static_rows is not None and all(
+        isinstance(spec, tf.TensorSpec) and spec.shape.rank and spec.shape[0] == num_slices * static_rows
+        for spec in leaves
+    ):
+        # Dense batches of num_slices * static_rows rows: a reshape and an unbatch,
+        # instead of a nested dataset per batch (measured: a few % of a small model's
+        # step time on 2 cores).
+        def as_slices(batch):
+            def cut(t):
+                shape = [num_slices, static_rows, *t.shape[1:]]
+                t = tf.reshape(t, tf.concat([[num_slices, static_rows], tf.shape(t)[1:]], 0))
+                return tf.ensure_shape(t, shape)[first::step]
+
+            return _map_leaves(cut, batch)
+
+        return tf.data.Dataset.zip((batches,)).map(as_slices).unbatch()
+
     num = tf.constant(num_slices, tf.int64)
 
     def slices(batch):

@@ -88,3 +88,21 @@ def test_table_and_plot_are_written(quick_run):
 def test_published_results_are_left_alone(quick_run):
     _, _, before, _ = quick_run
     assert _mtimes() == before
+
+
+def test_grouped_processes_take_turns_window_by_window():
+    """The processes of a group (e.g. stock and ours) warm up together but time their
+    windows one at a time, alternately: no two timed windows overlap."""
+    from benchmarks import runner
+
+    spec = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1, "global_batch": 16,
+            "steps_per_execution": 1, "warmup_steps": 1, "windows": 3, "window_steps": 2}
+    results = runner.run_group([spec, dict(spec, strategy="stock")], timeout=300)
+    assert all(isinstance(r, dict) for r in results), results
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    assert len(intervals) == 6 and all(len(r["samples"]) == 3 for r in results)
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+        assert end <= start  # one window at a time
+    # Order: 0 1 | 1 0 | 0 1 (reversed every other window, so neither always goes first).
+    assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
