@@ -214,8 +214,7 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
 
 def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     """Algorithm bandwidth (tensor bytes / time of one all-reduce) of an in-replica
-    sum of a float32 tensor of each size, across the replicas: ``chain`` (default
-    8) dependent all-reduces per traced call."""
+    sum of a float32 tensor of each size, across the replicas."""
     _setup_devices(spec["devices"])
     import tensorflow as tf
 
@@ -223,7 +222,6 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
     devices = _device_names(spec["devices"])
     strategy = _make_strategy(spec["impl"], devices, spec.get("cross_device_ops"))
-    chain = int(spec.get("chain", 8))
     out = {}
     for mb in spec["sizes_mb"]:
         n = int(mb * 2**20) // 4
@@ -233,12 +231,7 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
         @tf.function
         def step(v=v):
             def replica_fn():
-                # A chain of dependent all-reduces per call, so that the call's own
-                # cost (dispatch, reading v; ~0.3 ms) is not counted as the all-reduce's.
-                x = v.read_value()
-                for _ in range(chain):
-                    x = kr.all_reduce(x, "sum")
-                return x[:1]
+                return kr.all_reduce(v.read_value(), "sum")[:1]
 
             return strategy.run(replica_fn)
 
@@ -248,14 +241,14 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
         for _ in range(3):
             sync(step())
-        reps = max(3, int(spec.get("calls_mb", 128) / mb / chain))
+        reps = max(3, int(spec.get("calls_mb", 128) / mb))
         samples = []
         for _ in range(spec["windows"]):
             t = time.perf_counter()
             for _ in range(reps):
                 result = step()
             sync(result)
-            samples.append(n * 4 * reps * chain / (time.perf_counter() - t) / 1e9)
+            samples.append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
         out[str(mb)] = {"gbps": statistics.median(samples), "samples": samples}
         del v
     return {"sizes": out, "cross_device_ops": _describe_cross_device_ops(strategy),

@@ -293,10 +293,46 @@ def test_second_order_gradients_match_one_device(strategy):
         np.testing.assert_allclose(summed, want, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rank", [4, 2])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "plain_ops"])
+def test_gradients_match_one_device_keras_batch_norm(strategy, monkeypatch, fused, rank):
+    # The layer picks TensorFlow's fused kernels for large activations and plain ops for
+    # small ones: both paths against one-device Keras batch norm on the same global batch.
+    monkeypatch.setattr(kr.layers, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
+    rng = np.random.default_rng(11)
+    shape = (16, 3, 3, 6) if rank == 4 else (16, 6)
+    x = (rng.normal(size=shape) * 3 + 5).astype("float32")
+    w = rng.normal(size=shape).astype("float32")
+
+    def gradients(layer, x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.sin(layer(x, training=True)) * w)
+        return tape.gradient(loss, [x, *layer.trainable_weights])
+
+    reference = keras.layers.BatchNormalization(gamma_initializer="random_normal", beta_initializer="random_normal")
+    reference.build(x.shape)
+    with strategy.scope():
+        layer = kr.layers.GlobalBatchNormalization()
+        layer.build(x.shape)
+        layer.set_weights(reference.get_weights())
+    expected = gradients(reference, tf.constant(x), tf.constant(w))
+    step = tf.function(lambda x, w: strategy.run(lambda x, w: gradients(layer, x, w), args=(x, w)))
+    dx, dgamma, dbeta = step(per_replica(strategy, np.split(x, REPLICAS)), per_replica(strategy, np.split(w, REPLICAS)))
+    local = strategy.experimental_local_results
+    np.testing.assert_allclose(np.concatenate(local(dx)), expected[0], atol=2e-5)
+    for got, want in ((dgamma, expected[1]), (dbeta, expected[2])):
+        np.testing.assert_allclose(sum(np.asarray(v) for v in local(got)), want, atol=2e-5)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), reference.moving_mean.numpy(), atol=1e-5)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), reference.moving_variance.numpy(), atol=1e-5)
+
+
 # --- numerics --------------------------------------------------------------------------
 
 
-def test_large_mean_inputs_stay_accurate_where_keras_synchronized_bn_fails(strategy):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "plain_ops"])
+def test_large_mean_inputs_stay_accurate_where_keras_synchronized_bn_fails(strategy, monkeypatch, fused):
+    monkeypatch.setattr(kr.layers, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
     rng = np.random.default_rng(4)
     x = (1e4 + rng.normal(size=(64, 6, 6, 8))).astype("float32")
     expected = bn_reference(x)[0]  # float64, from the same float32 inputs
