@@ -957,7 +957,7 @@ def _replicating() -> bool:
     return bool(getattr(strategy, "_keras_replicator", False)) and strategy.num_replicas_in_sync > 1
 
 
-def _install_batch_norm_guard() -> None:
+def install_batch_norm_guard() -> None:
     """Keeps plain Keras ``BatchNormalization`` moving statistics identical across replicas.
 
     Keras 3 (checked on 3.15) creates ``BatchNormalization``'s moving

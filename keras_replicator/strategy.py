@@ -450,7 +450,7 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
         _tf_internal.install_keras_patches()
         _tf_internal.install_all_reduce_gradient_patch()
         # Plain Keras BatchNormalization: moving statistics kept identical across replicas.
-        layers._install_batch_norm_guard()
+        layers.install_batch_norm_guard()
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
