@@ -107,16 +107,16 @@ def _staged_sum(t: tf.Tensor, axes: list[int]) -> tf.Tensor:
     return tf.reduce_sum(t, 0)
 
 
-def _shifted(
+def _local_moments(
     x: tf.Tensor, axis: int, mask: tf.Tensor | None
-) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor | None]:
-    """``(count, shift, x - shift, weights)`` for this replica's slice.
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """This replica's ``(count, mean, M2)`` per channel.
 
-    ``shift`` is the first example's (unmasked) mean per channel, shaped to
-    broadcast against ``x``: sums of ``x - shift`` have the size of the spread
-    of ``x``, not of its mean. ``count`` is a scalar without a mask; with a
-    mask, ``weights`` is the mask broadcast to ``x`` and ``count`` is per
-    channel. A replica with no (unmasked) example has count 0 and shift 0.
+    ``M2`` is the sum of squared deviations from the local mean; ``count`` is a
+    scalar without a mask. Sums are taken of ``x - K`` with ``K`` the first
+    example's mean (shifted data), so their size is set by the spread of
+    ``x``, not by its mean. A replica with no (unmasked) example contributes
+    count 0, mean 0 and M2 0.
     """
     axes = [a for a in range(x.shape.rank) if a != axis]
     inner = [a for a in axes if a != 0]
@@ -138,35 +138,16 @@ def _shifted(
             tf.reduce_sum(first_weights * first, axes, keepdims=True),
             tf.reduce_sum(first_weights, axes, keepdims=True),
         )
-    # The statistics do not depend on the shift, so neither does their gradient.
+    # The result does not depend on the shift, so neither does its gradient.
     shift = tf.stop_gradient(shift)
     shifted = x - shift
     if weights is not None:
         shifted = weights * shifted
-    return count, shift, shifted, weights
-
-
-def _moments_of_shifted(
-    count: tf.Tensor, shift: tf.Tensor, shifted: tf.Tensor, axes: list[int]
-) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """This replica's ``(count, mean, M2)`` per channel from ``_shifted``'s pieces.
-
-    ``M2`` is the sum of squared deviations from the local mean.
-    """
     total = _staged_sum(shifted, axes)
     squares = _staged_sum(tf.square(shifted), axes)
     mean_shift = tf.math.divide_no_nan(total, count)
     mean = tf.reshape(shift, [-1]) + mean_shift
     return count, mean, squares - total * mean_shift
-
-
-def _local_moments(
-    x: tf.Tensor, axis: int, mask: tf.Tensor | None
-) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """This replica's ``(count, mean, M2)`` per channel (see ``_shifted``)."""
-    count, shift, shifted, _ = _shifted(x, axis, mask)
-    axes = [a for a in range(x.shape.rank) if a != axis]
-    return _moments_of_shifted(count, shift, shifted, axes)
 
 
 def _weighted_mean(values: tf.Tensor, weights: tf.Tensor, axis: int) -> tf.Tensor:
@@ -376,15 +357,13 @@ def _train_normalize(
     any weight: the strategy sums them across replicas with the other
     gradients. ``gamma`` and ``beta`` are per-channel vectors.
     """
-    axes = [a for a in range(x.shape.rank) if a != axis]
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        count, shift, shifted, _ = _shifted(x, axis, None)
         # No gradient path through the exchange: the closed form below replaces
         # it, and it keeps tf.custom_gradient's search for variables inside
         # this replica's graph (see _tf_internal.install_all_reduce_gradient_patch).
-        moments = [tf.stop_gradient(m) for m in _moments_of_shifted(count, shift, shifted, axes)]
+        moments = [tf.stop_gradient(m) for m in _local_moments(x, axis, None)]
         group_count, mean, variance, new_mean, new_variance = _group_statistics(
             *moments, group_size
         )
