@@ -32,6 +32,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _speedup(a: dict | None, b: dict | None) -> float | None:
+    """Throughput of ``a`` over ``b``.
+
+    When the two took turns window by window (same group, see
+    ``runner.run_group``), the median of the ratios of their windows taken side
+    by side, which cancels the machine's drift between windows; otherwise the
+    ratio of their medians.
+    """
+    if not a or not b or not _eps(a) or not _eps(b):
+        return None
+    wa, wb = a.get("window_samples"), b.get("window_samples")
+    if (a.get("group") is not None and a.get("group") == b.get("group") and wa and wb
+            and [len(r) for r in wa] == [len(r) for r in wb]):
+        ratios = sorted(x / y for ra, rb in zip(wa, wb) for x, y in zip(ra, rb))
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return _eps(a) / _eps(b)
+
+
 def _fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"**{r:.2f}x**"
 
@@ -94,7 +113,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         if e.get("strategy") != "ours" or not e.get("available"):
             continue
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
-        r = _ratio(_eps(e), _eps(stock))
+        r = _speedup(e, stock)
         if r is not None:
             ratios.append((r, f"{MODEL_NAMES.get(e['model'], e['model'])}, "
                               f"{_devices_label(e['devices'])}"))
@@ -105,7 +124,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                      "yes" if worst[0] >= 1.0 else "no"))
     bn_ratios = []
     for model, sync, glob in _batch_norm_pairs(doc):
-        bn_ratios.append((glob["step_ms"] / sync["step_ms"], MODEL_NAMES.get(model, model),
+        bn_ratios.append((1.0 / _speedup(glob, sync), MODEL_NAMES.get(model, model),
                           glob["step_ms"], sync["step_ms"]))
     if bn_ratios:
         worst = max(bn_ratios)
@@ -160,9 +179,13 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(
             f"| {MODEL_NAMES.get(e['model'], e['model'])} | {_devices_label(e['devices'])} "
             f"| {_fmt(_eps(one))} | {_fmt(_eps(stock))} | {_fmt(_eps(e))} "
-            f"| {_fmt_ratio(_ratio(_eps(e), _eps(stock)))} "
-            f"| {_fmt_ratio(_ratio(_eps(e), _eps(one)))} | {e.get('cross_device_ops', 'n/a')} |")
-    out.append("")
+            f"| {_fmt_ratio(_speedup(e, stock))} "
+            f"| {_fmt_ratio(_speedup(e, one))} | {e.get('cross_device_ops', 'n/a')} |")
+    out += ["", "Ratios between configurations that took turns (each row's stock and ours; "
+            "the one-device baseline with the first row of each model; `steps_per_execution` "
+            "1 and 8; the two batch-norm layers; the two multi-worker runs) are the median of "
+            "their window-by-window ratios, which cancels the machine's drift; other ratios "
+            "are of medians.", ""]
 
     mem = doc.get("memcopy", {}).get("gbps", {})
     out += ["**All-reduce algorithm bandwidth** (GB/s = tensor bytes / time of one in-replica "
@@ -204,7 +227,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 out.append(f"| {MODEL_NAMES.get(model, model)} | {name} "
                            f"| {_devices_label(e['devices'])} | {_fmt(e['step_ms'], 1)} "
                            f"| {_fmt(_eps(e))} | {_fmt(e.get('first_execution_seconds'), 1)} "
-                           f"| {_fmt_ratio(e['step_ms'] / sync['step_ms'])} |")
+                           f"| {_fmt_ratio(1.0 / _speedup(e, sync))} |")
         out += ["", "First step: seconds from `fit` to the end of the first step (tracing, "
                 "graph optimization, one step)."]
     else:
@@ -221,7 +244,7 @@ def markdown(doc: dict[str, Any]) -> str:
         out += ["| steps_per_execution | devices | examples/s | vs 1 |", "|---:|---|---:|---:|"]
         for e in spe:
             out.append(f"| {e['steps_per_execution']} | {_devices_label(e['devices'])} "
-                       f"| {_fmt(_eps(e))} | {_fmt_ratio(_ratio(_eps(e), _eps(base)))} |")
+                       f"| {_fmt(_eps(e))} | {_fmt_ratio(_speedup(e, base))} |")
     else:
         out.append("Not available.")
     out.append("")
@@ -236,7 +259,7 @@ def markdown(doc: dict[str, Any]) -> str:
     ours_cell = _fmt(_eps(ours)) if ours else (
         "not available" + (f" ({ours_entry['reason']})" if ours_entry.get("reason") else ""))
     out.append(f"| {_fmt(_eps(stock))} examples/s | {ours_cell} "
-               f"| {_fmt_ratio(_ratio(_eps(ours), _eps(stock)))} |")
+               f"| {_fmt_ratio(_speedup(ours, stock))} |")
     out.append("")
 
     pipeline = doc.get("input_pipeline", {})
@@ -318,8 +341,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
         one = _one_device(doc, e["model"], e["devices"])
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
         labels.append(f"{MODEL_NAMES.get(e['model'], e['model'])}\n{_devices_label(e['devices'])}")
-        stock_vals.append(_ratio(_eps(stock), _eps(one)) or 0.0)
-        ours_vals.append(_ratio(_eps(e), _eps(one)) or 0.0)
+        stock_vals.append(_speedup(stock, one) or 0.0)
+        ours_vals.append(_speedup(e, one) or 0.0)
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], stock_vals, 0.4, label="stock MirroredStrategy", color="#999999")
     ax.bar([i + 0.2 for i in x], ours_vals, 0.4, label="ReplicatorStrategy", color="#1f77b4")
@@ -367,7 +390,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         xs = range(len(pairs))
         ax.bar([x - 0.2 for x in xs], [1.0] * len(pairs), 0.4, color="#999999",
                label="Keras BN (synchronized=True)")
-        ax.bar([x + 0.2 for x in xs], [g["step_ms"] / s["step_ms"] for _, s, g in pairs], 0.4,
+        ax.bar([x + 0.2 for x in xs], [1.0 / _speedup(g, s) for _, s, g in pairs], 0.4,
                color="#1f77b4", label="GlobalBatchNormalization")
         ax.set_xticks(list(xs), labels)
         ax.set_ylabel("step time / Keras sync BN's")

@@ -157,7 +157,7 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
         configs.append(Config("multiworker", {"strategy": strategy, "workers": 2},
                               {"kind": "multiworker", "strategy": strategy, "model": "cnn",
                                "global_batch": 128, "timeout": s.timeout / 2, **mw_steps},
-                              s.rounds))
+                              s.rounds, group="multiworker"))
     if os.path.exists(os.path.join(ROOT, "benchmarks", "input_pipeline.py")):
         configs.append(Config("input_pipeline", {},
                               {"kind": "input_pipeline", "quick": s.quick}, 1))
@@ -369,6 +369,10 @@ def aggregate(config: Config) -> dict[str, Any]:
             examples_per_second_max=stats["max"],
             step_ms=1000.0 * config.spec["global_batch"] / stats["median"],
             windows=stats["windows"],
+            # Per round; windows of one group were taken in turns, so the report
+            # can pair them (report._speedup).
+            window_samples=[r["samples"] for r in results],
+            group=config.group,
         )
         for key in ("replicas", "cross_device_ops", "parameters"):
             if key in first:

@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -108,20 +109,46 @@ def _describe_cross_device_ops(strategy) -> str:
     return name
 
 
-def _window_throughputs(times: list[float], units_per_tick: float, ticks_per_window: int,
-                        warmup_ticks: int) -> list[float]:
-    """Units per second over consecutive windows of ``ticks_per_window`` ticks after warm-up.
+class _WindowClock:
+    """The clock of a timed run: ``warmup_ticks`` ticks, then ``windows`` windows
+    of ``ticks_per_window`` ticks (a tick is a step, or ``steps_per_execution`` steps).
 
-    ``times[i]`` is the clock at the end of tick ``i``; the first window starts
-    at the end of the last warm-up tick.
+    Call :meth:`tick` at the end of every tick. With ``turns`` (see
+    ``runner.run_group``) it prints ``TURN`` at the end of the warm-up and of
+    every window and waits for the runner before going on, and each window is
+    timed from the moment it resumed.
     """
-    out = []
-    start = warmup_ticks - 1
-    while start + ticks_per_window < len(times):
-        elapsed = times[start + ticks_per_window] - times[start]
-        out.append(units_per_tick * ticks_per_window / elapsed)
-        start += ticks_per_window
-    return out
+
+    def __init__(self, warmup_ticks: int, ticks_per_window: int, windows: int, turns: bool):
+        self.warmup_ticks, self.ticks_per_window = warmup_ticks, ticks_per_window
+        self.total_ticks = warmup_ticks + windows * ticks_per_window
+        self.turns = turns
+        self.times: list[float] = []  # the clock at the end of each tick
+        self.starts: dict[int, float] = {}  # the start of the window after tick i
+        self.wall: list[float] = []  # with turns: wall-clock ends and starts of pauses
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.times.append(now)
+        tick = len(self.times) - 1
+        after_warmup = tick - self.warmup_ticks + 1
+        if after_warmup >= 0 and after_warmup % self.ticks_per_window == 0:
+            if self.turns:
+                self.wall.append(time.time())
+                _take_turn()
+                now = time.perf_counter()
+                self.wall.append(time.time())
+            self.starts[tick] = now
+
+    def samples(self, units_per_tick: float) -> list[float]:
+        """Units per second in each timed window."""
+        k = self.ticks_per_window
+        return [units_per_tick * k / (self.times[end] - self.starts[end - k])
+                for end in range(self.warmup_ticks - 1 + k, len(self.times), k)]
+
+    def window_intervals(self) -> list[list[float]]:
+        """With turns: [start, end] of each timed window, wall clock (comparable across processes)."""
+        return [[self.wall[i], self.wall[i + 1]] for i in range(1, len(self.wall) - 1, 2)]
 
 
 # --- env ----------------------------------------------------------------------
@@ -189,7 +216,7 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
     """``stock`` / ``stock_default``: MirroredStrategy's default; ``stock_rtod``: with
     ReductionToOneDevice; ``ours``: ReplicatorStrategy, with its own choice of
     all-reduce unless ``cross_device_ops`` names one (``ring``, ``rtod``,
-    ``hierarchical``: for investigations, not part of the plan)."""
+    ``hierarchical``, ``unpacked``: for investigations, not part of the plan)."""
     import tensorflow as tf
 
     import keras_replicator as kr
@@ -207,6 +234,9 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
             None: None,
             "rtod": tf.distribute.ReductionToOneDevice(),
             "hierarchical": tf.distribute.HierarchicalCopyAllReduce(num_packs=1),
+            # ours' default without packing: one reduction per tensor.
+            "unpacked": tf.distribute.ReductionToOneDevice(
+                accumulation_fn=kr.strategy._sum_on_host),
         }[cross_device_ops]
         return kr.ReplicatorStrategy(devices, cross_device_ops=ops)
     raise ValueError(f"unknown strategy {name!r}")
@@ -367,35 +397,18 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
             model = build_and_compile()
     build_seconds = time.perf_counter() - t0
 
-    times: list[float] = []  # the clock at the end of each tick
-    resumed: dict[int, float] = {}  # with turns: when the window after tick i started
-    warmup_ticks = max(1, spec["warmup_steps"] // spe)
-    ticks_per_window = max(1, spec["window_steps"] // spe)
-    total_ticks = warmup_ticks + spec["windows"] * ticks_per_window
-    turns = bool(spec.get("turns"))
-    wall: list[float] = []  # with turns: wall-clock ends and starts of the windows
+    clock = _WindowClock(max(1, spec["warmup_steps"] // spe), max(1, spec["window_steps"] // spe),
+                         spec["windows"], bool(spec.get("turns")))
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter())
-            tick = len(times) - 1
-            if turns and tick >= warmup_ticks - 1 and (tick - warmup_ticks + 1) % ticks_per_window == 0:
-                wall.append(time.time())  # end of the window before (or of the warm-up)
-                _take_turn()
-                resumed[tick] = time.perf_counter()
-                wall.append(time.time())
+            clock.tick()
 
     t0 = time.perf_counter()
-    model.fit(_synthetic_dataset(batch), epochs=1, steps_per_epoch=total_ticks * spe,
+    model.fit(_synthetic_dataset(batch), epochs=1, steps_per_epoch=clock.total_ticks * spe,
               callbacks=[Clock()], verbose=0)
     fit_seconds = time.perf_counter() - t0
-    if turns:
-        samples = [
-            batch * spe * ticks_per_window / (times[end] - resumed[end - ticks_per_window])
-            for end in range(warmup_ticks - 1 + ticks_per_window, total_ticks, ticks_per_window)
-        ]
-    else:
-        samples = _window_throughputs(times, batch * spe, ticks_per_window, warmup_ticks)
+    samples = clock.samples(batch * spe)
     throughput = statistics.median(samples)
     return {
         "examples_per_second": throughput,
@@ -405,10 +418,9 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
         "cross_device_ops": "none" if strategy is None else _describe_cross_device_ops(strategy),
         "parameters": int(model.count_params()),
         "build_seconds": build_seconds,
-        "first_execution_seconds": times[0] - t0 if times else None,
+        "first_execution_seconds": clock.times[0] - t0 if clock.times else None,
         "fit_seconds": fit_seconds,
-        # With turns: [start, end] of each timed window, wall clock (comparable across processes).
-        "window_intervals": [[wall[i], wall[i + 1]] for i in range(1, len(wall) - 1, 2)],
+        "window_intervals": clock.window_intervals(),
     }
 
 
@@ -434,34 +446,67 @@ def run_multiworker(spec: dict[str, Any]) -> dict[str, Any]:
 
     Launches ``mw_task`` workers with ``TF_CONFIG``. ``ours`` is reported as not
     available when ``ReplicatorStrategy`` ignores ``TF_CONFIG`` (one replica).
+    With ``turns``, this process relays the runner's turns to both workers, which
+    pause together at the same step.
     """
+    import tempfile
+
     ports = _free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
+    turns = bool(spec.get("turns"))
+    procs, logs = [], []
     for index in range(2):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        task = dict(spec, kind="mw_task")
+        # stderr to a file: a full pipe would block a worker that the relay waits for.
+        logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.worker", json.dumps(task)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "benchmarks.worker", json.dumps(dict(spec, kind="mw_task"))],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE if turns else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=logs[-1], text=True, bufsize=1,
         ))
-    outputs = []
-    deadline = time.monotonic() + spec.get("timeout", 300)
+    outputs: list[list[str]] = [[] for _ in procs]
+
+    def until_all_turn() -> None:
+        for p, out in zip(procs, outputs):
+            for line in p.stdout:
+                if line.rstrip("\n") == TURN:
+                    break
+                out.append(line)
+
+    def tell_all(line: str) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.stdin.write(line + "\n")
+                p.stdin.flush()
+
+    timer = None
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+        timer = threading.Timer(spec.get("timeout", 300), lambda: [p.kill() for p in procs])
+        timer.start()
+        if turns:
+            until_all_turn()  # both warmed up
+            for _ in range(spec["windows"]):
+                _take_turn()
+                tell_all("go")
+                until_all_turn()
+            _take_turn()
+            tell_all("end")
+        for p, out in zip(procs, outputs):
+            out.extend(p.stdout)
             p.wait()
-        raise RuntimeError("multi-worker benchmark timed out") from None
+    finally:
+        timer.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     results = []
-    for code, out, err in outputs:
-        lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
-        if code != 0 or not lines:
-            raise RuntimeError(f"multi-worker task failed (exit {code}):\n{err[-3000:]}")
+    for p, out, log in zip(procs, outputs, logs):
+        log.seek(0)
+        err = log.read()
+        lines = [ln for ln in out if ln.startswith(RESULT_PREFIX)]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"multi-worker task failed (exit {p.returncode}):\n{err[-3000:]}")
         results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
     return results[0]
 
@@ -502,12 +547,12 @@ def run_mw_task(spec: dict[str, Any]) -> dict[str, Any]:
         return strategy.reduce("SUM", per_replica, axis=None)
 
     iterator = iter(dataset)
-    times = []
-    steps = spec["warmup_steps"] + spec["windows"] * spec["window_steps"]
-    for _ in range(steps):
+    clock = _WindowClock(spec["warmup_steps"], spec["window_steps"], spec["windows"],
+                         bool(spec.get("turns")))
+    for _ in range(clock.total_ticks):
         float(train_step(next(iterator)))
-        times.append(time.perf_counter())
-    samples = _window_throughputs(times, batch, spec["window_steps"], spec["warmup_steps"])
+        clock.tick()
+    samples = clock.samples(batch)
     throughput = statistics.median(samples)
     return {
         "available": True,
@@ -516,6 +561,7 @@ def run_mw_task(spec: dict[str, Any]) -> dict[str, Any]:
         "samples": samples,
         "replicas": strategy.num_replicas_in_sync,
         "cross_device_ops": _describe_cross_device_ops(strategy),
+        "window_intervals": clock.window_intervals(),
     }
 
 

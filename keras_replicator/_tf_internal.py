@@ -19,8 +19,10 @@ from tensorflow.python.distribute import (  # noqa: F401  (re-exported)
     cross_device_ops,
     cross_device_utils,
     distribute_lib,
+    distribute_utils,
     mirrored_strategy,
 )
+from tensorflow.python.distribute import values as _values
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
@@ -101,6 +103,24 @@ def make_control_flow_safe(ops_obj):
 
 def is_distributed_values(value) -> bool:
     return isinstance(value, tf.distribute.DistributedValues)
+
+
+def devices_of(destinations) -> tuple[str, ...]:
+    """The canonical device strings of a reduction's destinations (a device
+    string, a variable, a tensor or distributed values), as TensorFlow's
+    cross-device ops compute them (TF 2.16-2.21: ``get_devices_from``)."""
+    return tuple(cross_device_ops.get_devices_from(destinations))
+
+
+def per_replica(values: list) -> tf.distribute.DistributedValues:
+    """One tensor per replica, wrapped as ``PerReplica`` (TF 2.16-2.21: ``values.PerReplica``)."""
+    return _values.PerReplica(tuple(values))
+
+
+def mirrored(values: list) -> tf.distribute.DistributedValues:
+    """One tensor per device, wrapped as the ``Mirrored`` value a cross-device
+    reduction returns (TF 2.16-2.21: ``distribute_utils.regroup``)."""
+    return distribute_utils.regroup(values, wrap_class=_values.Mirrored)
 
 
 # --- Keras 3 (checked on 3.15) -------------------------------------------------

@@ -111,6 +111,86 @@ def _sum_on_host(values: Sequence[tf.Tensor]) -> tf.Tensor:
     return values[0]
 
 
+# Tensors smaller than this are packed together (see PackedReductionToOneDevice);
+# larger ones are reduced alone, where the copy into a pack would cost more than
+# the ops it saves.
+_PACK_MAX_BYTES = 2**20
+
+
+class PackedReductionToOneDevice(tf.distribute.ReductionToOneDevice):
+    """``ReductionToOneDevice`` that reduces a batch of small tensors as one.
+
+    A batch reduction (a model's gradients, a nest given to
+    :func:`~keras_replicator.all_reduce`) of many small tensors is dominated by
+    per-tensor costs: for each tensor, a transfer from every replica's device to
+    the reducing one, an add, and a transfer back. This class flattens and
+    concatenates the small dense tensors of a batch on each replica's device,
+    reduces that one tensor, and splits the result on each destination device,
+    so those costs are paid once per batch. Tensors of ``_PACK_MAX_BYTES`` or
+    more, sparse values and tensors of unknown shape are reduced one by one, as
+    ``ReductionToOneDevice`` does. Results are the same sums, in the same order
+    of addition.
+
+    Example:
+        ```python
+        strategy = kr.ReplicatorStrategy(
+            cross_device_ops=kr.strategy.PackedReductionToOneDevice())
+        ```
+    """
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        results: list = [None] * len(value_destination_pairs)
+        packs: dict[tuple, list[int]] = {}
+        for i, (value, destinations) in enumerate(value_destination_pairs):
+            key = self._pack_key(value, destinations)
+            if key is None:
+                results[i] = self.reduce_implementation(reduce_op, value, destinations, options)
+            else:
+                packs.setdefault(key, []).append(i)
+        for members in packs.values():
+            if len(members) == 1:
+                value, destinations = value_destination_pairs[members[0]]
+                results[members[0]] = self.reduce_implementation(
+                    reduce_op, value, destinations, options)
+                continue
+            values = [value_destination_pairs[i][0] for i in members]
+            shapes = [v.values[0].shape for v in values]
+            sizes = [s.num_elements() for s in shapes]
+            flat = []
+            for replica_values in zip(*(v.values for v in values)):
+                with tf.device(replica_values[0].device):
+                    flat.append(tf.concat([tf.reshape(t, [-1]) for t in replica_values], 0))
+            reduced = self.reduce_implementation(
+                reduce_op, _tf_internal.per_replica(flat),
+                value_destination_pairs[members[0]][1], options)
+            parts_per_device = []
+            for packed in reduced.values:
+                with tf.device(packed.device):
+                    parts_per_device.append([
+                        tf.reshape(part, shape)
+                        for part, shape in zip(tf.split(packed, sizes), shapes)
+                    ])
+            for j, i in enumerate(members):
+                results[i] = _tf_internal.mirrored([parts[j] for parts in parts_per_device])
+        return results
+
+    @staticmethod
+    def _pack_key(value, destinations) -> tuple | None:
+        """What a value must share with others to be packed with them, or None."""
+        if not _tf_internal.is_distributed_values(value):
+            return None
+        tensors = value.values
+        if len(tensors) < 2 or not all(isinstance(t, tf.Tensor) for t in tensors):
+            return None  # IndexedSlices, or nothing to reduce
+        shape = tensors[0].shape
+        if not shape.is_fully_defined() or any(t.shape != shape for t in tensors):
+            return None
+        if shape.num_elements() * tensors[0].dtype.size >= _PACK_MAX_BYTES:
+            return None
+        return (tensors[0].dtype, tuple(t.device for t in tensors),
+                _tf_internal.devices_of(destinations))
+
+
 def default_cross_device_ops(devices: Sequence[str] | None) -> tf.distribute.CrossDeviceOps | None:
     """The all-reduce a one-machine ``ReplicatorStrategy`` uses when given none.
 
@@ -119,14 +199,16 @@ def default_cross_device_ops(devices: Sequence[str] | None) -> tf.distribute.Cro
     copy, so summing on the first device and giving every replica the result
     (``ReductionToOneDevice``, with :func:`_sum_on_host`) beats TensorFlow's
     default there, a collective ring, by 2-8x in bandwidth (1-64 MB tensors on
-    2-4 devices; see ``docs/performance.md``). Anything else (GPUs, mixed or
+    2-4 devices; see ``docs/performance.md``). Batches of small tensors (a
+    model's gradients) are packed into one reduction
+    (:class:`PackedReductionToOneDevice`). Anything else (GPUs, mixed or
     remote devices) returns ``None``: TensorFlow's choice, NCCL on GPUs.
     """
     specs = [tf.DeviceSpec.from_string(d) for d in devices or ()]
     if specs and all(
         (s.device_type or "").upper() == "CPU" and s.job in (None, "localhost") for s in specs
     ):
-        return tf.distribute.ReductionToOneDevice(accumulation_fn=_sum_on_host)
+        return PackedReductionToOneDevice(accumulation_fn=_sum_on_host)
     return None
 
 

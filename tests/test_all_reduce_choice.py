@@ -9,10 +9,10 @@ from keras_replicator import _tf_internal
 from keras_replicator import strategy as strategy_module
 
 
-def test_cpu_devices_get_a_reduction_to_one_device():
+def test_cpu_devices_get_a_packed_reduction_to_one_device():
     strategy = kr.ReplicatorStrategy()
     ops = strategy.extended._cross_device_ops
-    assert isinstance(ops, tf.distribute.ReductionToOneDevice)
+    assert isinstance(ops, strategy_module.PackedReductionToOneDevice)
     assert ops.accumulation_fn is strategy_module._sum_on_host
 
 
@@ -70,3 +70,111 @@ def test_steps_per_execution_works_with_the_default():
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 8
     kr.testing.assert_replicas_identical(model)
+
+
+def _unpacked_strategy():
+    return kr.ReplicatorStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice(
+        accumulation_fn=strategy_module._sum_on_host))
+
+
+def _mixed_batch(replica: int) -> dict:
+    """A nest with everything a batch reduction can hold, different on every replica."""
+    rng = np.random.default_rng(replica)
+    return {
+        "kernel": rng.normal(size=[2, 3, 4]).astype(np.float32),
+        "bias": rng.normal(size=[5]).astype(np.float32),
+        "scalar": np.float32(rng.normal()),
+        "large": rng.normal(size=[300]).astype(np.float32),
+        "float64": rng.normal(size=[3]),
+        "empty": np.zeros([0, 3], np.float32),
+    }
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_packed_batch_reduction_is_bitwise_the_unpacked_one(monkeypatch, op):
+    # "large" (1200 bytes) is over the pack limit here, so it is reduced alone.
+    monkeypatch.setattr(strategy_module, "_PACK_MAX_BYTES", 1024)
+    packed, unpacked = kr.ReplicatorStrategy(), _unpacked_strategy()
+    ops = packed.extended._cross_device_ops
+    calls = []
+    single = ops.reduce_implementation
+    monkeypatch.setattr(ops, "reduce_implementation",
+                        lambda *a, **k: calls.append(a[1]) or single(*a, **k))
+
+    def reduce_with(strategy):
+        # Function inputs, not constants: nothing is folded before the reduction.
+        inputs = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.nest.map_structure(tf.constant, _mixed_batch(ctx.replica_id_in_sync_group)))
+
+        @tf.function
+        def step(inputs):
+            return strategy.run(lambda x: kr.all_reduce(x, op), args=(inputs,))
+        return step(inputs)
+
+    got, want = reduce_with(packed), reduce_with(unpacked)
+    n = packed.num_replicas_in_sync
+    for key in want:
+        expected = sum(_mixed_batch(r)[key] for r in range(n))
+        if op == "mean":
+            expected = expected / n
+        for g, w in zip(packed.experimental_local_results(got[key]),
+                        unpacked.experimental_local_results(want[key])):
+            assert g.dtype == w.dtype and g.shape == w.shape, key
+            np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=key)
+            np.testing.assert_allclose(g.numpy(), expected, rtol=1e-6, err_msg=key)
+    # One reduction for the float32 pack (kernel, bias, scalar, empty), one each
+    # for the large tensor and for float64, which is alone in its pack.
+    shapes = sorted(tuple(v.values[0].shape.as_list()) for v in calls)
+    assert shapes == sorted([(24 + 5 + 1 + 0,), (300,), (3,)])
+
+
+def test_sparse_gradients_are_reduced_alone_and_exactly():
+    packed, unpacked = kr.ReplicatorStrategy(), _unpacked_strategy()
+
+    def grads_with(strategy):
+        with strategy.scope():
+            table = tf.Variable(tf.reshape(tf.range(12, dtype=tf.float32), [6, 2]))
+            dense = tf.Variable(tf.ones([2]))
+
+        @tf.function
+        def step():
+            def replica_fn():
+                ids = tf.stack([kr.replica_id(), kr.replica_id() + 1])
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.gather(table, ids) * dense)
+                g_table, g_dense = tape.gradient(loss, [table, dense])
+                assert isinstance(g_table, tf.IndexedSlices)
+                g_table, g_dense = kr.all_reduce([g_table, g_dense], "sum")
+                return tf.convert_to_tensor(g_table), g_dense
+            return strategy.run(replica_fn)
+        return [strategy.experimental_local_results(t) for t in step()]
+
+    got, want = grads_with(packed), grads_with(unpacked)
+    for g_list, w_list in zip(got, want):
+        for g, w in zip(g_list, w_list):
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+    n = packed.num_replicas_in_sync
+    expected = np.zeros([6, 2], np.float32)
+    for r in range(n):
+        expected[r] += 1.0
+        expected[r + 1] += 1.0
+    np.testing.assert_array_equal(got[0][0].numpy(), expected)
+
+
+def test_training_with_packing_is_bitwise_training_without():
+    import keras
+
+    from tests.helpers import conv_model, image_data
+
+    x, y = image_data(64)
+    weights = []
+    for strategy in (kr.ReplicatorStrategy(), _unpacked_strategy()):
+        with strategy.scope():
+            model = conv_model()
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        kr.testing.assert_replicas_identical(model)
+        weights.append(model.get_weights())
+    for packed, unpacked in zip(*weights):
+        np.testing.assert_array_equal(packed, unpacked)

@@ -106,3 +106,38 @@ def test_grouped_processes_take_turns_window_by_window():
         assert end <= start  # one window at a time
     # Order: 0 1 | 1 0 | 0 1 (reversed every other window, so neither always goes first).
     assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
+
+
+def test_two_worker_runs_take_turns_too():
+    """A multi-worker configuration pauses both of its workers at the same step,
+    so stock and ours time their windows one at a time as well."""
+    from benchmarks import runner
+
+    spec = {"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 240,
+            "warmup_steps": 2, "windows": 2, "window_steps": 2}
+    results = runner.run_group([dict(spec, strategy="stock"), dict(spec, strategy="ours")],
+                               timeout=300)
+    assert all(isinstance(r, dict) for r in results), results
+    assert [r["replicas"] for r in results] == [2, 2]
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+        assert end <= start
+
+
+def test_ratios_of_turn_takers_are_paired_window_by_window():
+    """Drift that hits both configurations alike cancels in the paired ratio; the
+    ratio of medians is used only for configurations that did not take turns."""
+    from benchmarks import report
+
+    drift = [100.0, 50.0, 100.0, 50.0, 100.0]
+    stock = {"examples_per_second": 100.0, "group": "g", "window_samples": [drift]}
+    ours = {"examples_per_second": 55.0, "group": "g",
+            "window_samples": [[x * 1.1 for x in drift]]}
+    assert report._speedup(ours, stock) == pytest.approx(1.1)
+    alone = dict(ours, group=None)
+    assert report._speedup(alone, stock) == pytest.approx(0.55)
+    uneven = dict(ours, window_samples=[[55.0, 110.0]])
+    assert report._speedup(uneven, stock) == pytest.approx(0.55)
+    assert report._speedup(None, stock) is None
