@@ -163,8 +163,10 @@ class PackedReductionToOneDevice(tf.distribute.ReductionToOneDevice):
             reduced = self.reduce_implementation(
                 reduce_op, _tf_internal.per_replica(flat),
                 value_destination_pairs[members[0]][1], options)
+            # One destination device gives a plain tensor, several a Mirrored value.
+            per_device = reduced.values if _tf_internal.is_distributed_values(reduced) else [reduced]
             parts_per_device = []
-            for packed in reduced.values:
+            for packed in per_device:
                 with tf.device(packed.device):
                     parts_per_device.append([
                         tf.reshape(part, shape)

@@ -178,3 +178,16 @@ def test_training_with_packing_is_bitwise_training_without():
         weights.append(model.get_weights())
     for packed, unpacked in zip(*weights):
         np.testing.assert_array_equal(packed, unpacked)
+
+
+def test_packed_batch_reduction_to_one_device_gives_plain_tensors():
+    strategy = kr.ReplicatorStrategy()
+    n = strategy.num_replicas_in_sync
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.fill([3], float(ctx.replica_id_in_sync_group)), tf.ones([2, 2])))
+    total, count = strategy.extended.batch_reduce_to(
+        "SUM", [(values[0], "/cpu:0"), (values[1], "/cpu:0")])
+    assert isinstance(total, tf.Tensor) and isinstance(count, tf.Tensor)
+    assert tf.DeviceSpec.from_string(total.device).device_index == 0
+    np.testing.assert_array_equal(total.numpy(), np.full([3], n * (n - 1) / 2))
+    np.testing.assert_array_equal(count.numpy(), np.full([2, 2], n))
