@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 STRATEGY_NAMES = {
@@ -26,29 +27,33 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if not a or not b:
+def _paired_ratio(a: dict, b: dict, a_windows, b_windows, a_value, b_value) -> float | None:
+    """``a_value / b_value``, or, when entries ``a`` and ``b`` took turns window by
+    window (same group, see ``runner.run_group``), the median of the ratios of
+    their windows side by side (``*_windows``: per round, a list of window
+    figures), which cancels the machine's drift between windows."""
+    if not a_value or not b_value:
         return None
-    return a / b
+    if (a.get("group") is not None and a.get("group") == b.get("group") and a_windows and b_windows
+            and [len(r) for r in a_windows] == [len(r) for r in b_windows]):
+        return statistics.median(x / y for ra, rb in zip(a_windows, b_windows)
+                                 for x, y in zip(ra, rb))
+    return a_value / b_value
 
 
 def _speedup(a: dict | None, b: dict | None) -> float | None:
-    """Throughput of ``a`` over ``b``.
-
-    When the two took turns window by window (same group, see
-    ``runner.run_group``), the median of the ratios of their windows taken side
-    by side, which cancels the machine's drift between windows; otherwise the
-    ratio of their medians.
-    """
-    if not a or not b or not _eps(a) or not _eps(b):
+    """Throughput of training entry ``a`` over ``b`` (paired when they took turns)."""
+    if not a or not b:
         return None
-    wa, wb = a.get("window_samples"), b.get("window_samples")
-    if (a.get("group") is not None and a.get("group") == b.get("group") and wa and wb
-            and [len(r) for r in wa] == [len(r) for r in wb]):
-        ratios = sorted(x / y for ra, rb in zip(wa, wb) for x, y in zip(ra, rb))
-        mid = len(ratios) // 2
-        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return _eps(a) / _eps(b)
+    return _paired_ratio(a, b, a.get("window_samples"), b.get("window_samples"), _eps(a), _eps(b))
+
+
+def _bandwidth_ratio(a: dict | None, b: dict | None, mb: str) -> float | None:
+    """All-reduce bandwidth of entry ``a`` over ``b`` at size ``mb`` (paired when they took turns)."""
+    if not a or not b:
+        return None
+    windows = [e.get("window_samples", {}).get(mb) for e in (a, b)]
+    return _paired_ratio(a, b, *windows, a["gbps"].get(mb), b["gbps"].get(mb))
 
 
 def _fmt_ratio(r: float | None) -> str:
@@ -138,8 +143,8 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         if e.get("impl") != "ours" or not e.get("available"):
             continue
         stock = _find(doc["allreduce"], impl="stock_default", devices=e["devices"])
-        for mb, v in e["gbps"].items():
-            r = _ratio(v, stock["gbps"].get(mb) if stock else None)
+        for mb in e["gbps"]:
+            r = _bandwidth_ratio(e, stock, mb)
             if r is not None:
                 ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}"))
     if ar:
@@ -183,7 +188,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_fmt_ratio(_speedup(e, one))} | {e.get('cross_device_ops', 'n/a')} |")
     out += ["", "Ratios between configurations that took turns (each row's stock and ours; "
             "the one-device baseline with the first row of each model; `steps_per_execution` "
-            "1 and 8; the two batch-norm layers; the two multi-worker runs) are the median of "
+            "1 and 8; the two batch-norm layers; the two multi-worker runs; the all-reduce "
+            "implementations on the same devices) are the median of "
             "their window-by-window ratios, which cancels the machine's drift; other ratios "
             "are of medians.", ""]
 
@@ -204,7 +210,7 @@ def markdown(doc: dict[str, Any]) -> str:
             out.append(
                 f"| {_devices_label(e['devices'])} | {mb} MB | {_fmt(s, 2)} "
                 f"| {_fmt(rtod['gbps'].get(mb) if rtod else None, 2)} | {_fmt(v, 2)} "
-                f"| {_fmt_ratio(_ratio(v, s))} | {_fmt(mem.get(mb), 1)} |")
+                f"| {_fmt_ratio(_bandwidth_ratio(e, stock, mb))} | {_fmt(mem.get(mb), 1)} |")
     stock_kind = next((e.get("cross_device_ops") for e in doc["allreduce"]
                        if e.get("impl") == "stock_default" and e.get("available")), "?")
     out.append("")

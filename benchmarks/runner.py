@@ -98,9 +98,9 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
     if s.quick:
         steps = {"warmup_steps": 2, "windows": s.windows, "window_steps": 4}
     elif resnet:
-        steps = {"warmup_steps": 2, "windows": 5, "window_steps": 3}
-    else:  # multiples of 8 for steps_per_execution=8
-        steps = {"warmup_steps": 8, "windows": 6, "window_steps": 16}
+        steps = {"warmup_steps": 2, "windows": 7, "window_steps": 3}
+    else:  # multiples of 8 for steps_per_execution=8; windows are cheap next to start-up
+        steps = {"warmup_steps": 8, "windows": 10, "window_steps": 16}
     spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
             "global_batch": 64 if resnet else 128, "steps_per_execution": 1, **steps}
     spec.update(extra)
@@ -122,7 +122,7 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
             configs.append(Config(
                 "allreduce", {"impl": impl, "devices": k},
                 {"kind": "allreduce", "impl": impl, "devices": k, "sizes_mb": list(s.sizes_mb),
-                 "windows": s.windows + 2}, s.rounds))
+                 "windows": s.windows + 2}, s.rounds, group=f"allreduce/{k}"))
     k = max(s.device_counts)
     for model in s.models:
         rounds = s.resnet_rounds if model == "resnet50" else s.rounds
@@ -188,7 +188,7 @@ def _worker_env() -> dict[str, str]:
 
 
 def run_group(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any] | RuntimeError]:
-    """Runs training workers side by side, taking turns window by window.
+    """Runs workers (training, all-reduce, two-worker) side by side, taking turns window by window.
 
     All start together and warm up concurrently; then each timed window runs
     alone, the processes in turn (order reversed every other window), the others
@@ -383,6 +383,9 @@ def aggregate(config: Config) -> dict[str, Any]:
         for mb in first["sizes"]:
             stats = _median_of_samples(results, lambda r, mb=mb: r["sizes"][mb]["samples"])
             entry["gbps"][mb] = stats["median"]
+        entry["window_samples"] = {mb: [r["sizes"][mb]["samples"] for r in results]
+                                   for mb in first["sizes"]}
+        entry["group"] = config.group
         for key in ("replicas", "cross_device_ops"):
             if key in first:
                 entry[key] = first[key]

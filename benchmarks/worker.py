@@ -244,7 +244,12 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
 
 def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     """Algorithm bandwidth (tensor bytes / time of one all-reduce) of an in-replica
-    sum of a float32 tensor of each size, across the replicas."""
+    sum of a float32 tensor of each size, across the replicas.
+
+    Every size is warmed up first; then each window times every size once. With
+    ``turns`` (``runner.run_group``) the process waits for its turn before each
+    window, so the implementations of a group are timed one window at a time.
+    """
     _setup_devices(spec["devices"])
     import tensorflow as tf
 
@@ -252,7 +257,13 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
     devices = _device_names(spec["devices"])
     strategy = _make_strategy(spec["impl"], devices, spec.get("cross_device_ops"))
-    out = {}
+    turns = bool(spec.get("turns"))
+
+    def sync(result):
+        for r in strategy.experimental_local_results(result):
+            r.numpy()
+
+    steps = {}
     for mb in spec["sizes_mb"]:
         n = int(mb * 2**20) // 4
         with strategy.scope():
@@ -265,24 +276,28 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
             return strategy.run(replica_fn)
 
-        def sync(result):
-            for r in strategy.experimental_local_results(result):
-                r.numpy()
-
         for _ in range(3):
             sync(step())
-        reps = max(3, int(spec.get("calls_mb", 128) / mb))
-        samples = []
-        for _ in range(spec["windows"]):
+        steps[mb] = (n, step, v)
+    samples: dict[str, list[float]] = {str(mb): [] for mb in spec["sizes_mb"]}
+    wall = []
+    for _ in range(spec["windows"]):
+        if turns:
+            _take_turn()
+        start = time.time()
+        for mb, (n, step, _) in steps.items():
+            reps = max(3, int(spec.get("calls_mb", 128) / mb))
             t = time.perf_counter()
             for _ in range(reps):
                 result = step()
             sync(result)
-            samples.append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
-        out[str(mb)] = {"gbps": statistics.median(samples), "samples": samples}
-        del v
-    return {"sizes": out, "cross_device_ops": _describe_cross_device_ops(strategy),
-            "replicas": len(devices)}
+            samples[str(mb)].append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
+        wall.append([start, time.time()])
+    if turns:
+        _take_turn()  # the runner's end of the group
+    return {"sizes": {mb: {"gbps": statistics.median(x), "samples": x} for mb, x in samples.items()},
+            "cross_device_ops": _describe_cross_device_ops(strategy),
+            "replicas": len(devices), "window_intervals": wall}
 
 
 # --- training throughput ------------------------------------------------------

@@ -108,6 +108,21 @@ def test_grouped_processes_take_turns_window_by_window():
     assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
 
 
+def test_all_reduce_implementations_take_turns_too():
+    from benchmarks import runner
+
+    spec = {"kind": "allreduce", "devices": 2, "sizes_mb": [0.25, 1], "windows": 3, "calls_mb": 4}
+    results = runner.run_group([dict(spec, impl="stock_default"), dict(spec, impl="ours")],
+                               timeout=300)
+    assert all(isinstance(r, dict) for r in results), results
+    assert all(len(r["sizes"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+        assert end <= start
+
+
 def test_two_worker_runs_take_turns_too():
     """A multi-worker configuration pauses both of its workers at the same step,
     so stock and ours time their windows one at a time as well."""
