@@ -126,10 +126,11 @@ class PackedReductionToOneDevice(tf.distribute.ReductionToOneDevice):
     the reducing one, an add, and a transfer back. This class flattens and
     concatenates the small dense tensors of a batch on each replica's device,
     reduces that one tensor, and splits the result on each destination device,
-    so those costs are paid once per batch. Tensors of ``_PACK_MAX_BYTES`` or
-    more, sparse values and tensors of unknown shape are reduced one by one, as
-    ``ReductionToOneDevice`` does. Results are the same sums, in the same order
-    of addition.
+    so those costs are paid once per batch. Tensors of 1 MB or more (where the
+    copy into the pack would cost more than it saves), sparse values and tensors
+    of unknown shape are reduced one by one, as ``ReductionToOneDevice`` does.
+    Results are the same sums, in the same order of addition: bitwise those of
+    ``ReductionToOneDevice``.
 
     Example:
         ```python
