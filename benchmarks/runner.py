@@ -98,9 +98,9 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
     if s.quick:
         steps = {"warmup_steps": 2, "windows": s.windows, "window_steps": 4}
     elif resnet:
-        steps = {"warmup_steps": 2, "windows": 10, "window_steps": 3}
-    else:  # multiples of 8 for steps_per_execution=8; windows are cheap next to start-up
-        steps = {"warmup_steps": 8, "windows": 16, "window_steps": 16}
+        steps = {"warmup_steps": 2, "windows": 8, "window_steps": 3}
+    else:  # multiples of 8 for steps_per_execution=8
+        steps = {"warmup_steps": 8, "windows": 12, "window_steps": 16}
     spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
             "global_batch": 64 if resnet else 128, "steps_per_execution": 1, **steps}
     spec.update(extra)
