@@ -125,7 +125,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     if ratios:
         worst = min(ratios)
         rows.append(("training throughput, ours >= 1.0x stock `MirroredStrategy`",
-                     f"{worst[0]:.2f}x at worst ({worst[1]}); best {max(ratios)[0]:.2f}x",
+                     f"{worst[0]:.3f}x at worst ({worst[1]}); best {max(ratios)[0]:.2f}x",
                      "yes" if worst[0] >= 1.0 else "no"))
     bn_ratios = []
     for model, sync, glob in _batch_norm_pairs(doc):
@@ -134,7 +134,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     if bn_ratios:
         worst = max(bn_ratios)
         rows.append(("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
-                     f"{worst[0]:.2f}x at worst ({worst[1]}: {_fmt(worst[2], 1)} ms vs "
+                     f"{worst[0]:.3f}x at worst ({worst[1]}; medians {_fmt(worst[2], 1)} ms vs "
                      f"{_fmt(worst[3], 1)} ms)"
                      + "".join(f"; {name} {r:.2f}x" for r, name, _, _ in bn_ratios if name != worst[1]),
                      "yes" if worst[0] <= 1.0 else "no"))
@@ -150,7 +150,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     if ar:
         worst = min(ar)
         rows.append(("all-reduce bandwidth, ours >= 2x stock default",
-                     f"{worst[0]:.2f}x at worst ({worst[1]}); best {max(ar)[0]:.2f}x",
+                     f"{worst[0]:.3f}x at worst ({worst[1]}); best {max(ar)[0]:.2f}x",
                      "yes" if worst[0] >= 2.0 else "no"))
     return rows
 
