@@ -236,7 +236,7 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
             "hierarchical": tf.distribute.HierarchicalCopyAllReduce(num_packs=1),
             # ours' default without packing: one reduction per tensor.
             "unpacked": tf.distribute.ReductionToOneDevice(
-                accumulation_fn=kr.strategy._sum_on_host),
+                accumulation_fn=kr.strategy.default_cross_device_ops(devices).accumulation_fn),
         }[cross_device_ops]
         return kr.ReplicatorStrategy(devices, cross_device_ops=ops)
     raise ValueError(f"unknown strategy {name!r}")
