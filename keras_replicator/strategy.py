@@ -144,10 +144,8 @@ class PackedReductionToOneDevice(tf.distribute.ReductionToOneDevice):
         packs: dict[tuple, list[int]] = {}
         for i, (value, destinations) in enumerate(value_destination_pairs):
             key = self._pack_key(value, destinations)
-            if key is None:
-                results[i] = self.reduce_implementation(reduce_op, value, destinations, options)
-            else:
-                packs.setdefault(key, []).append(i)
+            # A value that cannot be packed is a pack of its own.
+            packs.setdefault(("alone", i) if key is None else key, []).append(i)
         for members in packs.values():
             if len(members) == 1:
                 value, destinations = value_destination_pairs[members[0]]
