@@ -156,3 +156,26 @@ def test_ratios_of_turn_takers_are_paired_window_by_window():
     uneven = dict(ours, window_samples=[[55.0, 110.0]])
     assert report._speedup(uneven, stock) == pytest.approx(0.55)
     assert report._speedup(None, stock) is None
+
+
+def test_throughput_target_takes_ours_at_its_best_and_shows_both_at_the_same_settings():
+    """Stock cannot run steps_per_execution > 1 on 2+ replicas: the target compares it
+    with ours at its best, and the same-settings ratio is reported beside it."""
+    from benchmarks import report
+
+    def entry(eps, **key):
+        return dict(key, available=True, examples_per_second=eps, group="g",
+                    window_samples=[[eps] * 3], step_ms=1.0)
+
+    doc = {"training": [entry(100.0, model="cnn", strategy="stock", devices=2),
+                        entry(98.0, model="cnn", strategy="ours", devices=2),
+                        entry(50.0, model="resnet50", strategy="stock", devices=2),
+                        entry(52.0, model="resnet50", strategy="ours", devices=2)],
+           "steps_per_execution": [entry(98.0, model="cnn", devices=2, steps_per_execution=1),
+                                   entry(107.0, model="cnn", devices=2, steps_per_execution=8)],
+           "batch_norm": [], "allreduce": []}
+    (target, measured, met), = report.targets(doc)
+    assert met == "yes" and "1.040x at worst (ResNet-50 (32x32), 2 CPU" in measured
+    assert "Both at `steps_per_execution=1`: 0.980x at worst (small CNN, 2 CPU)" in measured
+    doc["training"][3] = entry(49.0, model="resnet50", strategy="ours", devices=2)
+    assert report.targets(doc)[0][2] == "no"  # a row without spe=8 counts at 1
