@@ -27,18 +27,43 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _paired_ratio(a: dict, b: dict, a_windows, b_windows, a_value, b_value) -> float | None:
-    """``a_value / b_value``, or, when entries ``a`` and ``b`` took turns window by
-    window (same group, see ``runner.run_group``), the median of the ratios of
-    their windows side by side (``*_windows``: per round, a list of window
-    figures), which cancels the machine's drift between windows."""
-    if not a_value or not b_value:
-        return None
+def _window_ratios(a: dict, b: dict, a_windows, b_windows) -> list[float] | None:
+    """The ratios of entries ``a`` and ``b``'s windows side by side, if they took
+    turns window by window (same group, see ``runner.run_group``; ``*_windows``:
+    per round, a list of window figures); else None."""
     if (a.get("group") is not None and a.get("group") == b.get("group") and a_windows and b_windows
             and [len(r) for r in a_windows] == [len(r) for r in b_windows]):
-        return statistics.median(x / y for ra, rb in zip(a_windows, b_windows)
-                                 for x, y in zip(ra, rb))
-    return a_value / b_value
+        return [x / y for ra, rb in zip(a_windows, b_windows) for x, y in zip(ra, rb)]
+    return None
+
+
+def _paired_ratio(a: dict, b: dict, a_windows, b_windows, a_value, b_value) -> float | None:
+    """``a_value / b_value``, or, when entries ``a`` and ``b`` took turns window by
+    window, the median of the ratios of their windows side by side, which
+    cancels the machine's drift between windows."""
+    if not a_value or not b_value:
+        return None
+    ratios = _window_ratios(a, b, a_windows, b_windows)
+    return statistics.median(ratios) if ratios else a_value / b_value
+
+
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of ``values``.
+
+    The ``k``-th smallest and ``k``-th largest values, with ``k`` the largest for
+    which the interval holds the median with probability >= ``level`` (each
+    value is above the median with probability 1/2, so the count above is
+    binomial). None when there are too few values for ``level``.
+    """
+    n = len(values)
+    ordered = sorted(values)
+    best = None
+    for k in range(1, n // 2 + 1):
+        below = sum(math.comb(n, i) for i in range(k)) / 2.0**n  # P(Binomial(n, 1/2) < k)
+        if 1.0 - 2.0 * below < level:
+            break
+        best = (ordered[k - 1], ordered[n - k])
+    return best
 
 
 def _speedup(a: dict | None, b: dict | None) -> float | None:
@@ -46,6 +71,21 @@ def _speedup(a: dict | None, b: dict | None) -> float | None:
     if not a or not b:
         return None
     return _paired_ratio(a, b, a.get("window_samples"), b.get("window_samples"), _eps(a), _eps(b))
+
+
+def _speedup_interval(a: dict | None, b: dict | None) -> tuple[float, float] | None:
+    """90% interval of ``_speedup(a, b)`` when ``a`` and ``b`` took turns, else None."""
+    if not a or not b:
+        return None
+    ratios = _window_ratios(a, b, a.get("window_samples"), b.get("window_samples"))
+    return median_interval(ratios) if ratios else None
+
+
+def _fmt_interval(interval: tuple[float, float] | None, invert: bool = False) -> str:
+    if interval is None:
+        return ""
+    lo, hi = (1.0 / interval[1], 1.0 / interval[0]) if invert else interval
+    return f"; 90% interval {lo:.2f}-{hi:.2f}"
 
 
 def _bandwidth_ratio(a: dict | None, b: dict | None, mb: str) -> float | None:
@@ -135,27 +175,32 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         label = f"{MODEL_NAMES.get(e['model'], e['model'])}, {_devices_label(e['devices'])}"
         r = _speedup(e, stock)
         if r is not None:
-            same.append((r, label))
+            same.append((r, label, _fmt_interval(_speedup_interval(e, stock))))
         b, spe = _best_of_ours(doc, e, stock)
         if b is not None:
-            best.append((b, label + f", `steps_per_execution={spe}`"))
+            chosen = _spe8(doc, e["model"], e["devices"]) if spe == "8" else e
+            best.append((b, label + f", `steps_per_execution={spe}`",
+                         _fmt_interval(_speedup_interval(chosen, stock))))
     if best:
         worst, worst_same = min(best), min(same)
         rows.append(("training throughput, ours (at its best) >= 1.0x stock `MirroredStrategy`",
-                     f"{worst[0]:.3f}x at worst ({worst[1]}); best {max(best)[0]:.2f}x. "
+                     f"{worst[0]:.3f}x at worst ({worst[1]}{worst[2]}); "
+                     f"best {max(best)[0]:.2f}x. "
                      f"Both at `steps_per_execution=1`: {worst_same[0]:.3f}x at worst "
-                     f"({worst_same[1]})",
+                     f"({worst_same[1]}{worst_same[2]})",
                      "yes" if worst[0] >= 1.0 else "no"))
     bn_ratios = []
     for model, sync, glob in _batch_norm_pairs(doc):
         bn_ratios.append((1.0 / _speedup(glob, sync), MODEL_NAMES.get(model, model),
-                          glob["step_ms"], sync["step_ms"]))
+                          glob["step_ms"], sync["step_ms"],
+                          _fmt_interval(_speedup_interval(glob, sync), invert=True)))
     if bn_ratios:
         worst = max(bn_ratios)
         rows.append(("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
                      f"{worst[0]:.3f}x at worst ({worst[1]}; medians {_fmt(worst[2], 1)} ms vs "
-                     f"{_fmt(worst[3], 1)} ms)"
-                     + "".join(f"; {name} {r:.2f}x" for r, name, _, _ in bn_ratios if name != worst[1]),
+                     f"{_fmt(worst[3], 1)} ms{worst[4]})"
+                     + "".join(f"; {name} {r:.2f}x" + (f" ({ci[2:]})" if ci else "")
+                               for r, name, _, _, ci in bn_ratios if name != worst[1]),
                      "yes" if worst[0] <= 1.0 else "no"))
     ar = []
     for e in doc["allreduce"]:
@@ -165,11 +210,14 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         for mb in e["gbps"]:
             r = _bandwidth_ratio(e, stock, mb)
             if r is not None:
-                ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}"))
+                windows = [x.get("window_samples", {}).get(mb) for x in (e, stock)]
+                ratios = _window_ratios(e, stock, *windows)
+                ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}",
+                           _fmt_interval(median_interval(ratios) if ratios else None)))
     if ar:
         worst = min(ar)
         rows.append(("all-reduce bandwidth, ours >= 2x stock default",
-                     f"{worst[0]:.3f}x at worst ({worst[1]}); best {max(ar)[0]:.2f}x",
+                     f"{worst[0]:.3f}x at worst ({worst[1]}{worst[2]}); best {max(ar)[0]:.2f}x",
                      "yes" if worst[0] >= 2.0 else "no"))
     return rows
 

@@ -179,3 +179,14 @@ def test_throughput_target_takes_ours_at_its_best_and_shows_both_at_the_same_set
     assert "Both at `steps_per_execution=1`: 0.980x at worst (small CNN, 2 CPU)" in measured
     doc["training"][3] = entry(49.0, model="resnet50", strategy="ours", devices=2)
     assert report.targets(doc)[0][2] == "no"  # a row without spe=8 counts at 1
+
+
+def test_median_interval_is_the_distribution_free_one():
+    """For 12 values the 90% interval is the 3rd smallest to the 3rd largest
+    (coverage 1 - 2 * P(Binomial(12, 1/2) <= 2) = 0.961; the 4th would give 0.854)."""
+    from benchmarks import report
+
+    values = [float(v) for v in (7, 3, 11, 1, 9, 5, 12, 2, 8, 4, 10, 6)]
+    assert report.median_interval(values) == (3.0, 10.0)
+    assert report.median_interval([1.0, 2.0, 3.0]) is None  # too few for 90%
+    assert report.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # 1 - 2/32
