@@ -125,7 +125,8 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
             configs.append(Config(
                 "allreduce", {"impl": impl, "devices": k},
                 {"kind": "allreduce", "impl": impl, "devices": k, "sizes_mb": list(s.sizes_mb),
-                 "windows": s.windows + 2}, s.rounds, group=f"allreduce/{k}"))
+                 "windows": s.windows + 2 if s.quick else 12}, s.rounds,
+                 group=f"allreduce/{k}"))
     k = max(s.device_counts)
     for model in s.models:
         rounds = s.resnet_rounds if model == "resnet50" else s.rounds
@@ -156,7 +157,7 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                                       _train_spec(model, "ours", k, s, batch_norm=bn), rounds,
                                       group=f"batch_norm/{model}"))
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
-                else {"warmup_steps": 5, "windows": 5, "window_steps": 10})
+                else {"warmup_steps": 5, "windows": 12, "window_steps": 5})
     for strategy in ("stock", "ours"):
         configs.append(Config("multiworker", {"strategy": strategy, "workers": 2},
                               {"kind": "multiworker", "strategy": strategy, "model": "cnn",
