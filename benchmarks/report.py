@@ -415,24 +415,32 @@ def plot(doc: dict[str, Any], path: str) -> None:
                  f"{doc['environment'].get('cpu_count', '?')} CPU cores, "
                  f"TF {doc['environment'].get('tensorflow', '?')})")
 
-    # (a) training throughput relative to one device
+    # (a) training throughput of ours over stock on the same devices (paired), with
+    # the 90% interval: the ratios the target is about. (Ratios to one device
+    # would mix paired and unpaired figures: one device shares only the first
+    # row's group.)
     ax = axes[0][0]
     groups = [e for e in doc["training"] if e.get("strategy") == "ours"]
-    labels, stock_vals, ours_vals = [], [], []
+    labels = []
+    bars: dict[str, list[tuple[float, tuple[float, float] | None]]] = {"1": [], "8": []}
     for e in groups:
-        one = _one_device(doc, e["model"], e["devices"])
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
         labels.append(f"{MODEL_NAMES.get(e['model'], e['model'])}\n{_devices_label(e['devices'])}")
-        stock_vals.append(_speedup(stock, one) or 0.0)
-        ours_vals.append(_speedup(e, one) or 0.0)
+        for spe, entry in (("1", e), ("8", _spe8(doc, e["model"], e["devices"]))):
+            r = _speedup(entry, stock) if entry else None
+            bars[spe].append((r or 0.0, _speedup_interval(entry, stock) if r else None))
     x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], stock_vals, 0.4, label="stock MirroredStrategy", color="#999999")
-    ax.bar([i + 0.2 for i in x], ours_vals, 0.4, label="ReplicatorStrategy", color="#1f77b4")
+    for offset, spe, color in ((-0.2, "1", "#1f77b4"), (0.2, "8", "#17becf")):
+        values = [v for v, _ in bars[spe]]
+        errors = [[v - ci[0] if ci else 0.0 for v, ci in bars[spe]],
+                  [ci[1] - v if ci else 0.0 for v, ci in bars[spe]]]
+        ax.bar([i + offset for i in x], values, 0.4, yerr=errors, capsize=3, color=color,
+               label=f"ReplicatorStrategy, steps_per_execution={spe}")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("throughput / one device")
-    ax.set_title("Training throughput (model.fit)")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("throughput / stock MirroredStrategy's")
+    ax.set_title("Training throughput (model.fit), 90% intervals")
+    ax.legend(fontsize=7, loc="lower right")
 
     # (b) all-reduce bandwidth against size
     ax = axes[0][1]
@@ -472,8 +480,12 @@ def plot(doc: dict[str, Any], path: str) -> None:
         xs = range(len(pairs))
         ax.bar([x - 0.2 for x in xs], [1.0] * len(pairs), 0.4, color="#999999",
                label="Keras BN (synchronized=True)")
-        ax.bar([x + 0.2 for x in xs], [1.0 / _speedup(g, s) for _, s, g in pairs], 0.4,
-               color="#1f77b4", label="GlobalBatchNormalization")
+        values = [1.0 / _speedup(g, s) for _, s, g in pairs]
+        intervals = [_speedup_interval(g, s) for _, s, g in pairs]  # of the speed-up: invert
+        errors = [[v - 1.0 / ci[1] if ci else 0.0 for v, ci in zip(values, intervals)],
+                  [1.0 / ci[0] - v if ci else 0.0 for v, ci in zip(values, intervals)]]
+        ax.bar([x + 0.2 for x in xs], values, 0.4, yerr=errors, capsize=3,
+               color="#1f77b4", label="GlobalBatchNormalization (90% interval)")
         ax.set_xticks(list(xs), labels)
         ax.set_ylabel("step time / Keras sync BN's")
         ax.legend(fontsize=7)
