@@ -81,19 +81,33 @@ def _speedup_interval(a: dict | None, b: dict | None) -> tuple[float, float] | N
     return median_interval(ratios) if ratios else None
 
 
-def _fmt_interval(interval: tuple[float, float] | None, invert: bool = False) -> str:
-    if interval is None:
-        return ""
-    lo, hi = (1.0 / interval[1], 1.0 / interval[0]) if invert else interval
-    return f"; 90% interval {lo:.2f}-{hi:.2f}"
+def _inverse(interval: tuple[float, float] | None) -> tuple[float, float] | None:
+    """The interval of ``1 / r`` from that of ``r`` (a speed-up's, as a step-time ratio's)."""
+    return None if interval is None else (1.0 / interval[1], 1.0 / interval[0])
+
+
+def _fmt_interval(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f"; 90% interval {interval[0]:.2f}-{interval[1]:.2f}"
+
+
+def _size_windows(a: dict, b: dict, mb: str) -> list:
+    """All-reduce entries ``a`` and ``b``'s window figures at size ``mb``."""
+    return [e.get("window_samples", {}).get(mb) for e in (a, b)]
 
 
 def _bandwidth_ratio(a: dict | None, b: dict | None, mb: str) -> float | None:
     """All-reduce bandwidth of entry ``a`` over ``b`` at size ``mb`` (paired when they took turns)."""
     if not a or not b:
         return None
-    windows = [e.get("window_samples", {}).get(mb) for e in (a, b)]
-    return _paired_ratio(a, b, *windows, a["gbps"].get(mb), b["gbps"].get(mb))
+    return _paired_ratio(a, b, *_size_windows(a, b, mb), a["gbps"].get(mb), b["gbps"].get(mb))
+
+
+def _bandwidth_interval(a: dict | None, b: dict | None, mb: str) -> tuple[float, float] | None:
+    """90% interval of ``_bandwidth_ratio(a, b, mb)`` when they took turns, else None."""
+    if not a or not b:
+        return None
+    ratios = _window_ratios(a, b, *_size_windows(a, b, mb))
+    return median_interval(ratios) if ratios else None
 
 
 def _fmt_ratio(r: float | None) -> str:
@@ -155,13 +169,15 @@ def _spe8(doc: dict[str, Any], model: str, devices: int | str) -> dict | None:
     return _find(doc["steps_per_execution"], model=model, devices=devices, steps_per_execution=8)
 
 
-def _best_of_ours(doc: dict[str, Any], e: dict, stock: dict | None) -> tuple[float | None, str]:
+def _best_of_ours(doc: dict[str, Any], e: dict,
+                  stock: dict | None) -> tuple[float, str, dict] | None:
     """Ours at its best against stock on training row ``e``: the larger of the
     ``steps_per_execution`` 1 and 8 ratios where both were measured (stock has
-    only 1: it fails with more on 2+ replicas), and which one it was."""
-    options = [(_speedup(e, stock), "1"), (_speedup(_spe8(doc, e["model"], e["devices"]), stock), "8")]
+    only 1: it fails with more on 2+ replicas), with that value and entry."""
+    options = [(_speedup(entry, stock), spe, entry)
+               for spe, entry in (("1", e), ("8", _spe8(doc, e["model"], e["devices"])))]
     options = [o for o in options if o[0] is not None]
-    return max(options) if options else (None, "")
+    return max(options, key=lambda o: o[0]) if options else None
 
 
 def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -176,9 +192,9 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         r = _speedup(e, stock)
         if r is not None:
             same.append((r, label, _fmt_interval(_speedup_interval(e, stock))))
-        b, spe = _best_of_ours(doc, e, stock)
-        if b is not None:
-            chosen = _spe8(doc, e["model"], e["devices"]) if spe == "8" else e
+        at_best = _best_of_ours(doc, e, stock)
+        if at_best is not None:
+            b, spe, chosen = at_best
             best.append((b, label + f", `steps_per_execution={spe}`",
                          _fmt_interval(_speedup_interval(chosen, stock))))
     if best:
@@ -193,7 +209,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     for model, sync, glob in _batch_norm_pairs(doc):
         bn_ratios.append((1.0 / _speedup(glob, sync), MODEL_NAMES.get(model, model),
                           glob["step_ms"], sync["step_ms"],
-                          _fmt_interval(_speedup_interval(glob, sync), invert=True)))
+                          _fmt_interval(_inverse(_speedup_interval(glob, sync)))))
     if bn_ratios:
         worst = max(bn_ratios)
         rows.append(("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
@@ -210,10 +226,8 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         for mb in e["gbps"]:
             r = _bandwidth_ratio(e, stock, mb)
             if r is not None:
-                windows = [x.get("window_samples", {}).get(mb) for x in (e, stock)]
-                ratios = _window_ratios(e, stock, *windows)
                 ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}",
-                           _fmt_interval(median_interval(ratios) if ratios else None)))
+                           _fmt_interval(_bandwidth_interval(e, stock, mb))))
     if ar:
         worst = min(ar)
         rows.append(("all-reduce bandwidth, ours >= 2x stock default",
@@ -481,9 +495,9 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.bar([x - 0.2 for x in xs], [1.0] * len(pairs), 0.4, color="#999999",
                label="Keras BN (synchronized=True)")
         values = [1.0 / _speedup(g, s) for _, s, g in pairs]
-        intervals = [_speedup_interval(g, s) for _, s, g in pairs]  # of the speed-up: invert
-        errors = [[v - 1.0 / ci[1] if ci else 0.0 for v, ci in zip(values, intervals)],
-                  [1.0 / ci[0] - v if ci else 0.0 for v, ci in zip(values, intervals)]]
+        intervals = [_inverse(_speedup_interval(g, s)) for _, s, g in pairs]
+        errors = [[v - ci[0] if ci else 0.0 for v, ci in zip(values, intervals)],
+                  [ci[1] - v if ci else 0.0 for v, ci in zip(values, intervals)]]
         ax.bar([x + 0.2 for x in xs], values, 0.4, yerr=errors, capsize=3,
                color="#1f77b4", label="GlobalBatchNormalization (90% interval)")
         ax.set_xticks(list(xs), labels)

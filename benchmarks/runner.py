@@ -145,7 +145,8 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                                       group=f"{model}/{devices}"))
             if model == "cnn":
                 configs.append(Config("steps_per_execution",
-                                      {"steps_per_execution": 8, "devices": devices},
+                                      {"model": model, "steps_per_execution": 8,
+                                       "devices": devices},
                                       _train_spec("cnn", "ours", devices, s, steps_per_execution=8),
                                       rounds, group=f"{model}/{devices}"))
     if env.get("global_batch_norm_available"):
@@ -426,7 +427,7 @@ def collect(configs: list[Config], settings: Settings, env: dict[str, Any],
         spe += [dict(e, steps_per_execution=1) for e in doc["training"]
                 if e["model"] == "cnn" and e["strategy"] == "ours"
                 and e["devices"] == entry["devices"]]
-        spe.append(dict(entry, model="cnn"))
+        spe.append(entry)
     doc["steps_per_execution"] = spe
     if not any(c.section == "batch_norm" for c in configs):
         doc["batch_norm"] = [{"available": False,
