@@ -160,8 +160,18 @@ def machine_line(doc: dict[str, Any]) -> str:
         f"({doc['settings']['resnet_rounds']} for ResNet-50)"
         + (f", {doc['settings']['skipped_for_time']} configuration round(s) skipped for time"
            if doc["settings"].get("skipped_for_time") else "")
-        + "."
+        + "." + _cuts_line(doc)
     )
+
+
+def _cuts_line(doc: dict[str, Any]) -> str:
+    """Which configurations timed fewer windows than planned, to end the run in time."""
+    cuts = doc["settings"].get("windows_cut_for_time") or []
+    if not cuts:
+        return ""
+    listed = "; ".join(f"{c['config']}: {c['windows']} of {c['planned']}" for c in cuts)
+    return (f" To end within {doc['settings']['deadline_seconds'] / 60:.1f} min, these took "
+            f"fewer windows than planned: {listed}.")
 
 
 def _spe8(doc: dict[str, Any], model: str, devices: int | str) -> dict | None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import report
-from benchmarks.worker import RESULT_PREFIX, ROOT, TURN
+from benchmarks.worker import GO, RESULT_PREFIX, ROOT, STOP, TURN
 
 DEFAULT_OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "benchmarks.png")
@@ -57,6 +57,11 @@ class Settings:
     jobs: int = 1
     # Rounds after the first are skipped config by config once this is spent.
     budget_seconds: float = float("inf")
+    # Round 1 ends this long after it starts: a group whose share of the time
+    # left is spent takes no more windows, down to half its planned number
+    # (see execute). Warm-ups cannot be cut, so a machine much slower than the
+    # one of _EXPECTED_SECONDS can still overrun it.
+    deadline_seconds: float = float("inf")
 
     @classmethod
     def for_mode(cls, quick: bool, rounds: int | None = None, resnet_rounds: int | None = None,
@@ -68,7 +73,8 @@ class Settings:
                        sizes_mb=(1, 16), timeout=300.0, jobs=2)
         return cls(quick=False, device_counts=device_counts or (2, 4),
                    models=models or ("cnn", "resnet50"), rounds=rounds or 1,
-                   resnet_rounds=resnet_rounds or 1, windows=3, budget_seconds=12 * 60.0)
+                   resnet_rounds=resnet_rounds or 1, windows=3, budget_seconds=12 * 60.0,
+                   deadline_seconds=13.5 * 60.0)
 
 
 @dataclass
@@ -84,6 +90,8 @@ class Config:
     results: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     skipped_rounds: int = 0
+    # Rounds in which the deadline cut this configuration's windows short.
+    cut_windows: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -91,6 +99,23 @@ class Config:
 
 
 # --- the plan -----------------------------------------------------------------
+
+# Seconds a unit (a group, or a configuration alone) of the full run took on the
+# 2-core VM of the published results; execute() shares round 1's time by them.
+_EXPECTED_SECONDS = {"memcopy": 2, "allreduce": 16, "training/cnn": 95,
+                     "training/resnet50": 125, "batch_norm/cnn_bn": 55,
+                     "batch_norm/resnet50": 150, "multiworker": 25, "input_pipeline": 25}
+
+
+def expected_seconds(unit: list[Config]) -> float:
+    """What ``unit`` is expected to take, from ``_EXPECTED_SECONDS`` (60 s if unknown)."""
+    first = unit[0]
+    names = [first.section]
+    if "model" in first.key:
+        names.insert(0, f"{first.section}/{first.key['model']}")
+    if first.section == "steps_per_execution":  # grouped with its model's training
+        names.insert(0, f"training/{first.key['model']}")
+    return next((_EXPECTED_SECONDS[n] for n in names if n in _EXPECTED_SECONDS), 60.0)
 
 
 def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **extra) -> dict:
@@ -193,12 +218,16 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def run_group(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any] | RuntimeError]:
+def run_group(specs: list[dict[str, Any]], timeout: float, deadline: float | None = None,
+              min_windows: int = 1) -> list[dict[str, Any] | RuntimeError]:
     """Runs workers (training, all-reduce, two-worker) side by side, taking turns window by window.
 
     All start together and warm up concurrently; then each timed window runs
     alone, the processes in turn (order reversed every other window), the others
-    waiting in a callback. Returns each worker's result, or the error it ended with.
+    waiting in a callback. Past ``deadline`` (a ``time.perf_counter()`` value)
+    the group takes no more windows once each process has timed
+    ``min_windows``; every process then stops after the same window. Returns
+    each worker's result, or the error it ended with.
     """
     import tempfile
     import threading
@@ -245,12 +274,14 @@ def run_group(specs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any
             until_turn(i)  # warmed up
         windows = max(int(spec["windows"]) for spec in specs)
         for w in range(windows):
+            if deadline is not None and w >= min_windows and time.perf_counter() > deadline:
+                break
             for i in (range(len(procs)) if w % 2 == 0 else reversed(range(len(procs)))):
                 if alive[i]:
-                    send(i, "go")
+                    send(i, GO)
                     until_turn(i)
         for i in range(len(procs)):
-            send(i, "end")
+            send(i, STOP)
         for i, p in enumerate(procs):
             for line in p.stdout:
                 outputs[i].append(line.rstrip("\n"))
@@ -284,6 +315,7 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
 
     started = time.perf_counter()
     durations: dict[str, float] = {}
+    first_round: list[list[Config]] = []
 
     def record(r: int, config: Config, outcome, seconds: float) -> None:
         if isinstance(outcome, RuntimeError):
@@ -307,7 +339,22 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
             except RuntimeError as error:
                 outcomes = [error]
         else:
-            outcomes = run_group([c.spec for c in unit], settings.timeout)
+            deadline = None
+            if r == 0 and math.isfinite(settings.deadline_seconds):
+                # This unit's share of the time left, by what the units left take here.
+                rest = first_round[first_round.index(unit):]
+                left = started + settings.deadline_seconds - t0
+                deadline = t0 + left * expected_seconds(unit) / sum(map(expected_seconds, rest))
+            planned = max(int(c.spec["windows"]) for c in unit)
+            outcomes = run_group([c.spec for c in unit], settings.timeout, deadline,
+                                 min_windows=math.ceil(planned / 2))
+            for config, outcome in zip(unit, outcomes):
+                taken = _windows_taken(outcome)
+                if taken is not None and taken < int(config.spec["windows"]):
+                    config.cut_windows.append({"round": r + 1, "windows": taken,
+                                               "planned": int(config.spec["windows"])})
+                    log(f"  round {r + 1}: {config.name}: {taken} of "
+                        f"{config.spec['windows']} windows (time limit)")
         durations[name] = time.perf_counter() - t0
         for config, outcome in zip(unit, outcomes):
             record(r, config, outcome, durations[name])
@@ -323,12 +370,25 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
     for r in range(total_rounds):
         order = units if r % 2 == 0 else units[::-1]
         todo = [u for u in order if r < u[0].rounds and not any(c.errors for c in u)]
+        if r == 0:
+            first_round = todo
         if settings.jobs > 1:
             with concurrent.futures.ThreadPoolExecutor(settings.jobs) as pool:
                 list(pool.map(lambda u, r=r: one(r, u), todo))
         else:
             for unit in todo:
                 one(r, unit)
+
+
+def _windows_taken(result: dict[str, Any] | RuntimeError) -> int | None:
+    """Timed windows in a worker's result (None for an error or a result without them)."""
+    if isinstance(result, RuntimeError) or result.get("available") is False:
+        return None
+    if "samples" in result:
+        return len(result["samples"])
+    if "sizes" in result:
+        return min(len(v["samples"]) for v in result["sizes"].values())
+    return None
 
 
 def _headline(result: dict[str, Any]) -> str:
@@ -412,6 +472,10 @@ def collect(configs: list[Config], settings: Settings, env: dict[str, Any],
         "settings": {"rounds": settings.rounds, "resnet_rounds": settings.resnet_rounds,
                      "parallel_processes": settings.jobs,
                      "skipped_for_time": sum(c.skipped_rounds for c in configs),
+                     "deadline_seconds": (settings.deadline_seconds
+                                          if math.isfinite(settings.deadline_seconds) else None),
+                     "windows_cut_for_time": [dict(cut, config=c.name)
+                                              for c in configs for cut in c.cut_windows],
                      "device_counts": list(settings.device_counts),
                      "models": list(settings.models), "sizes_mb": list(settings.sizes_mb)},
         "environment": env,

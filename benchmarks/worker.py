@@ -28,6 +28,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULT_PREFIX = "RESULT "
 TURN = "TURN"  # a worker in turns mode is between two timed windows
+# The runner's answers to TURN: time one more window, or take no more (the
+# planned windows are done, or the run's time limit is near).
+GO, STOP = "go", "stop"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Image side of the training benchmarks: ResNet-50 at 32x32 (CIFAR size) keeps
@@ -43,12 +46,18 @@ def _emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def _take_turn() -> None:
+def _take_turn() -> bool:
     """With ``turns`` (see ``runner.run_group``): says this process is between
-    timed windows and waits until the runner gives it the machine again."""
+    timed windows and waits until the runner gives it the machine again.
+
+    Returns ``True`` to time another window, ``False`` to stop here (``STOP``):
+    the process then finishes without another turn.
+    """
     print(TURN, flush=True)
-    if not sys.stdin.readline():
+    line = sys.stdin.readline()
+    if not line:
         raise SystemExit("the benchmark runner went away")
+    return line.strip() != STOP
 
 
 def _setup_devices(devices: int | str) -> None:
@@ -116,7 +125,8 @@ class _WindowClock:
     Call :meth:`tick` at the end of every tick. With ``turns`` (see
     ``runner.run_group``) it prints ``TURN`` at the end of the warm-up and of
     every window and waits for the runner before going on, and each window is
-    timed from the moment it resumed.
+    timed from the moment it resumed. Once the runner has said ``STOP``,
+    :attr:`stopped` is true: the caller takes no more ticks.
     """
 
     def __init__(self, warmup_ticks: int, ticks_per_window: int, windows: int, turns: bool):
@@ -126,6 +136,7 @@ class _WindowClock:
         self.times: list[float] = []  # the clock at the end of each tick
         self.starts: dict[int, float] = {}  # the start of the window after tick i
         self.wall: list[float] = []  # with turns: wall-clock ends and starts of pauses
+        self.stopped = False
 
     def tick(self) -> None:
         now = time.perf_counter()
@@ -135,7 +146,7 @@ class _WindowClock:
         if after_warmup >= 0 and after_warmup % self.ticks_per_window == 0:
             if self.turns:
                 self.wall.append(time.time())
-                _take_turn()
+                self.stopped = not _take_turn()
                 now = time.perf_counter()
                 self.wall.append(time.time())
             self.starts[tick] = now
@@ -282,8 +293,8 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     samples: dict[str, list[float]] = {str(mb): [] for mb in spec["sizes_mb"]}
     wall = []
     for _ in range(spec["windows"]):
-        if turns:
-            _take_turn()
+        if turns and not _take_turn():
+            break
         start = time.time()
         for mb, (n, step, _) in steps.items():
             reps = max(3, int(spec.get("calls_mb", 128) / mb))
@@ -293,8 +304,9 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
             sync(result)
             samples[str(mb)].append(n * 4 * reps / (time.perf_counter() - t) / 1e9)
         wall.append([start, time.time()])
-    if turns:
-        _take_turn()  # the runner's end of the group
+    else:
+        if turns:
+            _take_turn()  # the runner's end of the group
     return {"sizes": {mb: {"gbps": statistics.median(x), "samples": x} for mb, x in samples.items()},
             "cross_device_ops": _describe_cross_device_ops(strategy),
             "replicas": len(devices), "window_intervals": wall}
@@ -418,6 +430,8 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             clock.tick()
+            if clock.stopped:
+                self.model.stop_training = True
 
     t0 = time.perf_counter()
     model.fit(_synthetic_dataset(batch), epochs=1, steps_per_epoch=clock.total_ticks * spe,
@@ -502,11 +516,13 @@ def run_multiworker(spec: dict[str, Any]) -> dict[str, Any]:
         if turns:
             until_all_turn()  # both warmed up
             for _ in range(spec["windows"]):
-                _take_turn()
-                tell_all("go")
+                if not _take_turn():
+                    break
+                tell_all(GO)
                 until_all_turn()
-            _take_turn()
-            tell_all("end")
+            else:
+                _take_turn()  # the runner's end of the group
+            tell_all(STOP)  # both stop after the same step
         for p, out in zip(procs, outputs):
             out.extend(p.stdout)
             p.wait()
@@ -567,6 +583,8 @@ def run_mw_task(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(clock.total_ticks):
         float(train_step(next(iterator)))
         clock.tick()
+        if clock.stopped:
+            break
     samples = clock.samples(batch)
     throughput = statistics.median(samples)
     return {

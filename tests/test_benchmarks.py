@@ -141,6 +141,74 @@ def test_two_worker_runs_take_turns_too():
         assert end <= start
 
 
+TRAIN_SPEC = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1,
+              "global_batch": 16, "steps_per_execution": 1, "warmup_steps": 1,
+              "window_steps": 2}
+
+
+@pytest.mark.parametrize("kind", ["train", "allreduce", "multiworker"])
+def test_a_group_past_its_deadline_stops_every_process_after_the_same_window(kind):
+    """Past the deadline a group takes no more windows than ``min_windows``; each
+    kind of worker then ends cleanly (no hang, a result with whole windows only)."""
+    import time
+
+    from benchmarks import runner
+
+    if kind == "train":
+        specs = [TRAIN_SPEC, dict(TRAIN_SPEC, strategy="stock")]
+    elif kind == "allreduce":
+        specs = [{"kind": "allreduce", "devices": 2, "sizes_mb": [0.25], "calls_mb": 4,
+                  "impl": impl} for impl in ("stock_default", "ours")]
+    else:
+        specs = [{"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 240,
+                  "warmup_steps": 2, "window_steps": 2, "strategy": s} for s in ("stock", "ours")]
+    specs = [dict(spec, windows=5) for spec in specs]
+    started = time.perf_counter()
+    results = runner.run_group(specs, timeout=300, deadline=started, min_windows=2)
+    assert all(isinstance(r, dict) for r in results), results
+    assert [runner._windows_taken(r) for r in results] == [2, 2]
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
+    # Without a deadline the same group takes all its windows.
+    if kind == "train":
+        full = runner.run_group(specs, timeout=300, deadline=None, min_windows=2)
+        assert [runner._windows_taken(r) for r in full] == [5, 5]
+
+
+def test_round_one_shares_the_time_left_by_what_each_unit_takes(monkeypatch):
+    """Each group's deadline is its share of the time left, by ``_EXPECTED_SECONDS``;
+    a group cut short is recorded in the JSON and named in the table."""
+    import time
+
+    from benchmarks import report, runner
+
+    seen = []
+
+    def fake_group(specs, timeout, deadline=None, min_windows=1):
+        seen.append((deadline - time.perf_counter(), min_windows))
+        taken = min_windows if specs[0]["model"] == "resnet50" else specs[0]["windows"]
+        return [{"examples_per_second": 1.0, "samples": [1.0] * taken} for _ in specs]
+
+    monkeypatch.setattr(runner, "run_group", fake_group)
+    settings = runner.Settings.for_mode(False)
+    settings.deadline_seconds = 220.0  # = the two units' expected 95 + 125 s
+    configs = [runner.Config("training", {"model": m, "strategy": st, "devices": 2},
+                             runner._train_spec(m, st, 2, settings), group=f"{m}/2")
+               for m in ("cnn", "resnet50") for st in ("stock", "ours")]
+    runner.execute(configs, settings, log=lambda msg: None)
+    assert seen[0][0] == pytest.approx(95, abs=2) and seen[0][1] == 12  # 24 windows planned
+    # The first took no time, so the last has all that is left.
+    assert seen[1][0] == pytest.approx(220, abs=2) and seen[1][1] == 6  # 12 planned
+    assert [c.cut_windows for c in configs[:2]] == [[], []]
+    assert configs[2].cut_windows == [{"round": 1, "windows": 6, "planned": 12}]
+    doc = {"settings": {"rounds": 1, "resnet_rounds": 1, "deadline_seconds": 220.0,
+                        "windows_cut_for_time": [dict(c.cut_windows[0], config=c.name)
+                                                 for c in configs[2:]]},
+           "environment": {}}
+    assert "training/model=resnet50/strategy=stock/devices=2: 6 of 12" in report.machine_line(doc)
+
+
 def test_ratios_of_turn_takers_are_paired_window_by_window():
     """Drift that hits both configurations alike cancels in the paired ratio; the
     ratio of medians is used only for configurations that did not take turns."""
