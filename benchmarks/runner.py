@@ -100,26 +100,23 @@ class Config:
 
 # --- the plan -----------------------------------------------------------------
 
-# Seconds a unit (a group, or a configuration alone) of the full run took on the
-# 2-core VM of the published results; execute() shares round 1's time by them.
-_EXPECTED_SECONDS = {"memcopy": 2, "allreduce": 16, "training/cnn": 95,
-                     "training/resnet50": 125, "batch_norm/cnn_bn": 55,
-                     "batch_norm/resnet50": 150, "multiworker": 25, "input_pipeline": 25}
+# Seconds a unit (a group by its name, or a configuration alone by its section)
+# of the full run took on the 2-core VM of the published results; execute()
+# shares round 1's time by them.
+_EXPECTED_SECONDS = {"memcopy": 2, "allreduce/2": 14, "allreduce/4": 17, "cnn/2": 92,
+                     "cnn/4": 95, "resnet50/2": 111, "resnet50/4": 230, "batch_norm/4": 130,
+                     "multiworker": 25, "input_pipeline": 22}
 
 
 def expected_seconds(unit: list[Config]) -> float:
     """What ``unit`` is expected to take, from ``_EXPECTED_SECONDS`` (60 s if unknown)."""
-    first = unit[0]
-    names = [first.section]
-    if "model" in first.key:
-        names.insert(0, f"{first.section}/{first.key['model']}")
-    if first.section == "steps_per_execution":  # grouped with its model's training
-        names.insert(0, f"training/{first.key['model']}")
-    return next((_EXPECTED_SECONDS[n] for n in names if n in _EXPECTED_SECONDS), 60.0)
+    return _EXPECTED_SECONDS.get(unit[0].group or unit[0].section, 60.0)
 
 
 def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **extra) -> dict:
     resnet = model == "resnet50"
+    if model == "resnet50_bn":  # steps of ~80 ms, 8 per call: like the CNN's windows
+        extra = {"steps_per_execution": 8, **extra}
     if s.quick:
         steps = {"warmup_steps": 2, "windows": s.windows, "window_steps": 4}
     # Many short windows rather than a few long ones: the ratios that count are
@@ -129,8 +126,10 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
         steps = {"warmup_steps": 2, "windows": 12, "window_steps": 2}
     else:  # multiples of 8 for steps_per_execution=8
         steps = {"warmup_steps": 8, "windows": 24, "window_steps": 8}
+    # ResNet-50 and its batch-norm layers alone: the same per-replica shapes.
     spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
-            "global_batch": 64 if resnet else 128, "steps_per_execution": 1, **steps}
+            "global_batch": 64 if model.startswith("resnet50") else 128,
+            "steps_per_execution": 1, **steps}
     spec.update(extra)
     return spec
 
@@ -153,6 +152,14 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                  "windows": s.windows + 2 if s.quick else 12}, s.rounds,
                  group=f"allreduce/{k}"))
     k = max(s.device_counts)
+
+    def batch_norm_pair(model: str, group: str) -> list[Config]:
+        return [Config("batch_norm", {"model": model, "batch_norm": bn, "devices": k},
+                       _train_spec(model, "ours", k, s, batch_norm=bn),
+                       s.resnet_rounds if model == "resnet50" else s.rounds, group=group)
+                for bn in ("keras_sync", "global")]
+
+    bn_available = bool(env.get("global_batch_norm_available"))
     for model in s.models:
         rounds = s.resnet_rounds if model == "resnet50" else s.rounds
         # One group per device count: stock and ours side by side; the one-device
@@ -174,14 +181,14 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                                        "devices": devices},
                                       _train_spec("cnn", "ours", devices, s, steps_per_execution=8),
                                       rounds, group=f"{model}/{devices}"))
-    if env.get("global_batch_norm_available"):
-        # The CNN always; ResNet-50 (53 batch-norm layers) when ResNet-50 is measured.
-        for model in ["cnn_bn"] + (["resnet50"] if "resnet50" in s.models else []):
-            rounds = s.resnet_rounds if model == "resnet50" else s.rounds
-            for bn in ("keras_sync", "global"):
-                configs.append(Config("batch_norm", {"model": model, "batch_norm": bn, "devices": k},
-                                      _train_spec(model, "ours", k, s, batch_norm=bn), rounds,
-                                      group=f"batch_norm/{model}"))
+            if model == "resnet50" and devices == k and bn_available:
+                # The whole ResNet-50 with each batch norm joins its training group:
+                # its warm-ups overlap those of stock and ours.
+                configs += batch_norm_pair(model, f"{model}/{devices}")
+    if bn_available:
+        # The CNN always; ResNet-50's 53 batch-norm layers alone with ResNet-50.
+        for model in ["cnn_bn"] + (["resnet50_bn"] if "resnet50" in s.models else []):
+            configs += batch_norm_pair(model, f"batch_norm/{k}")
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
                 else {"warmup_steps": 5, "windows": 12, "window_steps": 5})
     for strategy in ("stock", "ours"):

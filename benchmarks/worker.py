@@ -327,19 +327,57 @@ def _batch_norm(kind: str):
     return keras.layers.BatchNormalization()
 
 
+def _resnet50():
+    import keras
+
+    return keras.applications.ResNet50(weights=None, input_shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
+                                       classes=NUM_CLASSES, classifier_activation=None)
+
+
+def _resnet50_batch_norm_layers(batch_norm: str):
+    """ResNet-50's 53 batch-norm layers at their input shapes, with little else.
+
+    For each input shape of ResNet-50's batch-norm layers (16x16x64 to
+    1x1x2048 at 32x32 images), the image is average-pooled to its size and a
+    1x1 convolution makes its channels (so that every layer's input has a
+    gradient, as in ResNet-50); then as many ``batch_norm`` layers as ResNet-50
+    has at that shape follow each other. Most of a step is in the batch-norm
+    layers, so their step time shows, which the whole ResNet-50 (where they
+    are about a tenth of a step) cannot resolve.
+    """
+    import collections
+
+    import keras
+
+    counts = collections.Counter(
+        tuple(layer.input.shape[1:]) for layer in _resnet50().layers
+        if isinstance(layer, keras.layers.BatchNormalization))
+    inputs = keras.Input((IMAGE_SIZE, IMAGE_SIZE, 3))
+    features = []
+    for (height, _, channels), count in counts.items():
+        h = keras.layers.AveragePooling2D(IMAGE_SIZE // height)(inputs)
+        h = keras.layers.Conv2D(channels, 1, use_bias=False)(h)
+        for _ in range(count):
+            h = _batch_norm(batch_norm)(h)
+        features.append(keras.layers.GlobalAveragePooling2D()(h))
+    outputs = keras.layers.Dense(NUM_CLASSES)(keras.layers.Concatenate()(features))
+    return keras.Model(inputs, outputs)
+
+
 def build_model(name: str, batch_norm: str = "keras"):
     """``cnn``: a 4-conv CNN; ``cnn_bn``: the same with batch norm after each conv;
     ``resnet50``: ``keras.applications.ResNet50`` at 32x32 with ``batch_norm``
     (``keras``: its own plain BN; ``keras_sync``: ``synchronized=True``;
-    ``global``: converted to ``GlobalBatchNormalization``)."""
+    ``global``: converted to ``GlobalBatchNormalization``); ``resnet50_bn``:
+    ResNet-50's batch-norm layers alone (:func:`_resnet50_batch_norm_layers`)."""
     import keras
 
     keras.utils.set_random_seed(0)
     shape = (IMAGE_SIZE, IMAGE_SIZE, 3)
+    if name == "resnet50_bn":
+        return _resnet50_batch_norm_layers(batch_norm)
     if name == "resnet50":
-        model = keras.applications.ResNet50(
-            weights=None, input_shape=shape, classes=NUM_CLASSES, classifier_activation=None
-        )
+        model = _resnet50()
         if batch_norm == "global":
             from keras_replicator.layers import convert_to_global_batch_norm
 
