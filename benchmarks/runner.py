@@ -57,10 +57,10 @@ class Settings:
     jobs: int = 1
     # Rounds after the first are skipped config by config once this is spent.
     budget_seconds: float = float("inf")
-    # Round 1 ends this long after it starts: a group whose share of the time
-    # left is spent takes no more windows, down to half its planned number
-    # (see execute). Warm-ups cannot be cut, so a machine much slower than the
-    # one of _EXPECTED_SECONDS can still overrun it.
+    # Round 1 ends this long after it starts: a group past its deadline
+    # (_group_deadline) takes no more windows, down to half its planned number.
+    # Warm-ups cannot be cut, so a machine much slower than the one of
+    # _EXPECTED_SECONDS can still overrun it.
     deadline_seconds: float = float("inf")
 
     @classmethod
@@ -101,11 +101,11 @@ class Config:
 # --- the plan -----------------------------------------------------------------
 
 # Seconds a unit (a group by its name, or a configuration alone by its section)
-# of the full run took on the 2-core VM of the published results; execute()
-# shares round 1's time by them.
-_EXPECTED_SECONDS = {"memcopy": 2, "allreduce/2": 14, "allreduce/4": 17, "cnn/2": 92,
-                     "cnn/4": 95, "resnet50/2": 111, "resnet50/4": 230, "batch_norm/4": 130,
-                     "multiworker": 25, "input_pipeline": 22}
+# of the full run took on this project's 2-core VM (11.7 min in all); execute()
+# plans round 1's time limit by them (_group_deadline).
+_EXPECTED_SECONDS = {"memcopy": 2, "allreduce/2": 14, "allreduce/4": 18, "cnn/2": 54,
+                     "cnn/4": 93, "resnet50/2": 83, "resnet50/4": 246, "batch_norm/4": 146,
+                     "multiworker": 22, "input_pipeline": 20}
 
 
 def expected_seconds(unit: list[Config]) -> float:
@@ -348,10 +348,8 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
         else:
             deadline = None
             if r == 0 and math.isfinite(settings.deadline_seconds):
-                # This unit's share of the time left, by what the units left take here.
-                rest = first_round[first_round.index(unit):]
-                left = started + settings.deadline_seconds - t0
-                deadline = t0 + left * expected_seconds(unit) / sum(map(expected_seconds, rest))
+                deadline = _group_deadline(first_round, unit, started, t0,
+                                           settings.deadline_seconds)
             planned = max(int(c.spec["windows"]) for c in unit)
             outcomes = run_group([c.spec for c in unit], settings.timeout, deadline,
                                  min_windows=math.ceil(planned / 2))
@@ -385,6 +383,20 @@ def execute(configs: list[Config], settings: Settings, log=print) -> None:
         else:
             for unit in todo:
                 one(r, unit)
+
+
+def _group_deadline(units: list[list[Config]], unit: list[Config], started: float, now: float,
+                    limit: float) -> float:
+    """When ``unit`` (starting ``now``) must stop timing windows for round 1 to end by
+    ``started + limit``: the end less what the units after it are expected to take,
+    at the pace of the units before it (``expected_seconds``, never faster than it).
+    A unit may thus use the time its predecessors saved; on a slow machine the pace
+    leaves the later units their share too.
+    """
+    i = units.index(unit)
+    done = sum(map(expected_seconds, units[:i]))
+    pace = max(1.0, (now - started) / done) if done else 1.0
+    return started + limit - pace * sum(map(expected_seconds, units[i + 1:]))
 
 
 def _windows_taken(result: dict[str, Any] | RuntimeError) -> int | None:

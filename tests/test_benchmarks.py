@@ -176,38 +176,43 @@ def test_a_group_past_its_deadline_stops_every_process_after_the_same_window(kin
         assert [runner._windows_taken(r) for r in full] == [5, 5]
 
 
-def test_round_one_shares_the_time_left_by_what_each_unit_takes(monkeypatch):
-    """Each group's deadline is its share of the time left, by ``_EXPECTED_SECONDS``;
-    a group cut short is recorded in the JSON and named in the table."""
-    import time
-
+def test_round_one_deadlines_leave_the_later_groups_their_time_at_the_pace_so_far(monkeypatch):
+    """A group may time windows until the end of the run less what the groups after it
+    take, at the pace of those before it; a group cut short is recorded in the JSON
+    and named in the table."""
     from benchmarks import report, runner
 
+    clock = [1000.0]
     seen = []
+    expected = runner._EXPECTED_SECONDS
 
     def fake_group(specs, timeout, deadline=None, min_windows=1):
-        seen.append((deadline - time.perf_counter(), min_windows))
-        taken = min_windows if specs[0]["model"] == "resnet50" else specs[0]["windows"]
+        seen.append((deadline - clock[0], min_windows))
+        model = specs[0]["model"]
+        clock[0] += 2 * expected["cnn/2"] if model == "cnn" else 1.0  # the CNN: twice as slow
+        taken = min_windows if model == "resnet50" else specs[0]["windows"]
         return [{"examples_per_second": 1.0, "samples": [1.0] * taken} for _ in specs]
 
     monkeypatch.setattr(runner, "run_group", fake_group)
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
     settings = runner.Settings.for_mode(False)
-    expected = runner._EXPECTED_SECONDS
-    settings.deadline_seconds = expected["cnn/2"] + expected["resnet50/2"]
-    configs = [runner.Config("training", {"model": m, "strategy": st, "devices": 2},
-                             runner._train_spec(m, st, 2, settings), group=f"{m}/2")
-               for m in ("cnn", "resnet50") for st in ("stock", "ours")]
+    settings.deadline_seconds = 1000.0
+    configs = [runner.Config("training", {"model": m, "strategy": st, "devices": d},
+                             runner._train_spec(m, st, d, settings), group=f"{m}/{d}")
+               for m, d in (("cnn", 2), ("resnet50", 2), ("resnet50", 4))
+               for st in ("stock", "ours")]
     runner.execute(configs, settings, log=lambda msg: None)
-    assert seen[0][0] == pytest.approx(expected["cnn/2"], abs=2)
-    assert seen[0][1] == 12  # half the 24 windows planned
-    # The first took no time, so the last has all that is left.
-    assert seen[1][0] == pytest.approx(settings.deadline_seconds, abs=2) and seen[1][1] == 6
+    rest = expected["resnet50/2"] + expected["resnet50/4"]
+    assert seen[0] == (1000.0 - rest, 12)  # nothing ran yet: pace 1; half of 24 windows
+    # The CNN took twice its time: the next group leaves twice the last one's.
+    assert seen[1] == (1000.0 - 2 * expected["cnn/2"] - 2 * expected["resnet50/4"], 6)
+    assert seen[2][0] == 1000.0 - 2 * expected["cnn/2"] - 1.0  # the last: all that is left
     assert [c.cut_windows for c in configs[:2]] == [[], []]
     assert configs[2].cut_windows == [{"round": 1, "windows": 6, "planned": 12}]
     doc = {"settings": {"rounds": 1, "resnet_rounds": 1,
                         "deadline_seconds": settings.deadline_seconds,
-                        "windows_cut_for_time": [dict(c.cut_windows[0], config=c.name)
-                                                 for c in configs[2:]]},
+                        "windows_cut_for_time": [dict(cut, config=c.name)
+                                                 for c in configs for cut in c.cut_windows]},
            "environment": {}}
     assert "training/model=resnet50/strategy=stock/devices=2: 6 of 12" in report.machine_line(doc)
 
