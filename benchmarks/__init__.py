@@ -9,7 +9,8 @@ devices is fixed when TensorFlow starts. The configurations a table compares
 take turns window by window, so that drift of a shared machine hits all of them
 alike; every figure is the median of timed windows after a warm-up, and every
 ratio between configurations that took turns the median of window-by-window
-ratios, with a 90% interval.
+ratios, with a 90% interval. Round 1 has a time limit (13.5 minutes in full
+mode): a group past its deadline takes fewer windows, and the outputs say so.
 
 Modules:
     runner: the plan of configurations, the rounds, the JSON/Markdown/PNG outputs.

@@ -14,7 +14,8 @@ sides alike; and tracing, which runs on one core, overlaps across the group.
 
 Other configurations run one at a time. A round runs every group once; odd
 rounds run the plan in reverse order. A configuration's figure is the median of
-all its windows over all rounds.
+all its windows over all rounds. Round 1 has a time limit: each group stops
+timing windows at its deadline (``_group_deadline``), down to half of them.
 """
 
 from __future__ import annotations
