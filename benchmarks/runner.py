@@ -102,11 +102,11 @@ class Config:
 # --- the plan -----------------------------------------------------------------
 
 # Seconds a unit (a group by its name, or a configuration alone by its section)
-# of the full run took on this project's 2-core VM (11.7 min in all); execute()
+# of the full run took on this project's 2-core VM (8.2 min in all); execute()
 # plans round 1's time limit by them (_group_deadline).
-_EXPECTED_SECONDS = {"memcopy": 2, "allreduce/2": 14, "allreduce/4": 18, "cnn/2": 54,
-                     "cnn/4": 93, "resnet50/2": 83, "resnet50/4": 246, "batch_norm/4": 146,
-                     "multiworker": 22, "input_pipeline": 20}
+_EXPECTED_SECONDS = {"memcopy": 1, "allreduce/2": 12, "allreduce/4": 16, "cnn/2": 36,
+                     "cnn/4": 28, "resnet50/2": 66, "resnet50/4": 191, "batch_norm/4": 101,
+                     "multiworker": 18, "input_pipeline": 20}
 
 
 def expected_seconds(unit: list[Config]) -> float:
