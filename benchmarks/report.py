@@ -271,8 +271,8 @@ def _batch_norm_target(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
         met = met and not slower
         verdict = ("slower" if slower else "faster" if interval and interval[1] < 1.0
                    else "within what the run resolves")
-        parts.append(f"whole {name}: {ratio:.2f}x" + (f" ({_fmt_interval(interval)[2:]}" if
-                     interval else " (") + f"; {verdict})")
+        details = [_fmt_interval(interval)[2:]] if interval else []
+        parts.append(f"whole {name}: {ratio:.2f}x ({'; '.join(details + [verdict])})")
     return [("`GlobalBatchNormalization` step time <= Keras synchronized BN's",
              "; ".join(parts), "yes" if met else "no")]
 

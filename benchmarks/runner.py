@@ -109,7 +109,7 @@ _EXPECTED_SECONDS = {"memcopy": 1, "allreduce/2": 12, "allreduce/4": 16, "cnn/2"
                      "multiworker": 18, "input_pipeline": 20}
 
 
-def expected_seconds(unit: list[Config]) -> float:
+def _expected_seconds(unit: list[Config]) -> float:
     """What ``unit`` is expected to take, from ``_EXPECTED_SECONDS`` (60 s if unknown)."""
     return _EXPECTED_SECONDS.get(unit[0].group or unit[0].section, 60.0)
 
@@ -390,14 +390,14 @@ def _group_deadline(units: list[list[Config]], unit: list[Config], started: floa
                     limit: float) -> float:
     """When ``unit`` (starting ``now``) must stop timing windows for round 1 to end by
     ``started + limit``: the end less what the units after it are expected to take,
-    at the pace of the units before it (``expected_seconds``, never faster than it).
+    at the pace of the units before it (``_expected_seconds``, never faster than it).
     A unit may thus use the time its predecessors saved; on a slow machine the pace
     leaves the later units their share too.
     """
     i = units.index(unit)
-    done = sum(map(expected_seconds, units[:i]))
+    done = sum(map(_expected_seconds, units[:i]))
     pace = max(1.0, (now - started) / done) if done else 1.0
-    return started + limit - pace * sum(map(expected_seconds, units[i + 1:]))
+    return started + limit - pace * sum(map(_expected_seconds, units[i + 1:]))
 
 
 def _windows_taken(result: dict[str, Any] | RuntimeError) -> int | None:

@@ -301,3 +301,14 @@ def test_batch_norm_target_is_decided_where_the_layers_make_the_step(
     assert verdict_met == met, measured
     assert "whole ResNet-50 (32x32): " in measured and verdict in measured
     assert measured.startswith(f"{layers_ratio:.3f}x at worst (CNN + BN")
+
+
+def test_whole_model_batch_norm_without_paired_windows_reads_cleanly():
+    """Entries that did not take turns have no interval: the verdict stands alone."""
+    from benchmarks import report
+
+    doc = {"batch_norm": [_bn_entry("resnet50", "keras_sync", [100.0] * 12, None),
+                          _bn_entry("resnet50", "global", [110.0] * 12, None)]}
+    ((_, measured, met),) = report._batch_norm_target(doc)
+    assert measured == "whole ResNet-50 (32x32): 0.91x (within what the run resolves)"
+    assert met == "yes"
