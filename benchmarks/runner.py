@@ -465,14 +465,20 @@ def aggregate(config: Config) -> dict[str, Any]:
                 entry[key] = first[key]
         entry["first_execution_seconds"] = first.get("first_execution_seconds")
     elif "sizes" in first:
-        entry["gbps"] = {}
-        for mb in first["sizes"]:
-            stats = _median_of_samples(results, lambda r, mb=mb: r["sizes"][mb]["samples"])
-            entry["gbps"][mb] = stats["median"]
-        entry["window_samples"] = {mb: [r["sizes"][mb]["samples"] for r in results]
-                                   for mb in first["sizes"]}
+        # "sizes": several all-reduces per call (worker.all_reduces_per_call);
+        # "one_per_call": the same sizes, one per call, where that differs.
+        for series, suffix in (("sizes", ""), ("one_per_call", "_one_per_call")):
+            sizes = first.get(series) or {}
+            if series == "sizes" or sizes:
+                entry["gbps" + suffix] = {
+                    mb: _median_of_samples(
+                        results, lambda r, mb=mb, series=series: r[series][mb]["samples"]
+                    )["median"]
+                    for mb in sizes}
+                entry["window_samples" + suffix] = {
+                    mb: [r[series][mb]["samples"] for r in results] for mb in sizes}
         entry["group"] = config.group
-        for key in ("replicas", "cross_device_ops"):
+        for key in ("replicas", "cross_device_ops", "all_reduces_per_call"):
             if key in first:
                 entry[key] = first[key]
     else:
@@ -543,8 +549,9 @@ def _finite_positive(doc: dict[str, Any]) -> list[str]:
             if e.get("available"):
                 check(f"{section}:{e}", e["examples_per_second"])
     for e in doc["allreduce"] + [doc["memcopy"]]:
-        for mb, v in e.get("gbps", {}).items():
-            check(f"allreduce/memcopy {mb}", v)
+        for key in ("gbps", "gbps_one_per_call"):
+            for mb, v in e.get(key, {}).items():
+                check(f"allreduce/memcopy {key} {mb}", v)
     return bad
 
 

@@ -116,6 +116,10 @@ def test_all_reduce_implementations_take_turns_too():
                                timeout=300)
     assert all(isinstance(r, dict) for r in results), results
     assert all(len(r["sizes"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
+    # Small sizes: several all-reduces of distinct tensors per call (8 MB), and
+    # also timed one per call.
+    assert all(r["all_reduces_per_call"] == {"0.25": 32, "1": 8} for r in results)
+    assert all(len(r["one_per_call"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
     intervals = sorted((start, end, i) for i, r in enumerate(results)
                        for start, end in r["window_intervals"])
     assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
@@ -312,3 +316,28 @@ def test_whole_model_batch_norm_without_paired_windows_reads_cleanly():
     ((_, measured, met),) = report._batch_norm_target(doc)
     assert measured == "whole ResNet-50 (32x32): 0.91x (within what the run resolves)"
     assert met == "yes"
+
+
+def test_all_reduce_target_reads_several_per_call_and_shows_one_per_call():
+    """The target is decided on the all-reduce's bandwidth (several per call); the
+    figure one per call, where it differs, is shown beside it in the target and table."""
+    from benchmarks import report
+
+    def entry(impl, gbps, one):
+        return {"impl": impl, "devices": 2, "available": True, "group": "ar",
+                "all_reduces_per_call": {"1": 8, "16": 1},
+                "gbps": {"1": gbps, "16": 10 * gbps}, "gbps_one_per_call": {"1": one},
+                "window_samples": {"1": [[gbps] * 4], "16": [[10 * gbps] * 4]},
+                "window_samples_one_per_call": {"1": [[one] * 4]}}
+
+    doc = {"training": [], "batch_norm": [], "steps_per_execution": [],
+           "allreduce": [entry("stock_default", 2.0, 1.5), entry("ours", 9.0, 2.7)],
+           "memcopy": {"gbps": {"1": 40.0, "16": 30.0}}}
+    ((target, measured, met),) = report.targets(doc)
+    assert met == "yes" and measured.startswith("4.500x at worst (1 MB, 2 CPU")
+    assert "One all-reduce per call" in measured and "1.80x at worst (1 MB, 2 CPU" in measured
+    table = "\n".join(report._bandwidth_table(doc))
+    assert "| 2 CPU | 1 MB | 8 | 2.00 |" in table and "**4.50x** | **1.80x** |" in table
+    assert "| 2 CPU | 16 MB | 1 | 20.00 |" in table and "**4.50x** | - |" in table
+    doc["allreduce"][1] = entry("ours", 3.0, 2.7)
+    assert report.targets(doc)[0][2] == "no"  # 1.5x with several per call
