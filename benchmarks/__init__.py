@@ -1,6 +1,6 @@
 """Speed of keras_replicator against stock TensorFlow, measured side by side in one run.
 
-Run ``python -m benchmarks`` (``make bench``; about 8 minutes on 2 CPU cores) or
+Run ``python -m benchmarks`` (``make bench``; 8-10 minutes on 2 CPU cores) or
 ``python -m benchmarks --quick`` (``make bench-quick``; a smoke run of about a
 minute and a half). Each configuration (a model under one strategy on K devices,
 an all-reduce implementation, ...) runs in its own fresh interpreter
