@@ -62,16 +62,20 @@ def test_json_has_every_section_and_the_environment(quick_run):
 def test_figures_are_positive_and_finite(quick_run):
     _, doc, _, _ = quick_run
     for section in ("training", "batch_norm", "steps_per_execution", "multiworker"):
+        assert doc[section], section
         for entry in doc[section]:
-            if entry.get("available") is False:
-                assert section in ("batch_norm", "multiworker"), entry  # features not yet there
-                continue
+            # Every feature exists now: an unavailable one is a regression.
+            assert entry.get("available") is True, (section, entry)
             assert _positive(entry["examples_per_second"]), (section, entry)
             assert _positive(entry["step_ms"]), (section, entry)
     for entry in doc["allreduce"] + [doc["memcopy"]]:
         assert entry["gbps"], entry
         for size, gbps in entry["gbps"].items():
             assert _positive(gbps), (entry, size)
+    for entry in doc["allreduce"]:  # 1 MB: 8 all-reduces per call, and also one per call
+        assert entry["all_reduces_per_call"] == {"1": 8, "16": 1}, entry
+        assert list(entry["gbps_one_per_call"]) == ["1"], entry
+        assert _positive(entry["gbps_one_per_call"]["1"]), entry
 
 
 def test_table_and_plot_are_written(quick_run):
