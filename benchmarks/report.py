@@ -228,22 +228,16 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"({worst_same[1]}{worst_same[2]})",
                      "yes" if worst[0] >= 1.0 else "no"))
     rows += _batch_norm_target(doc)
-    ar = []
-    for e in doc["allreduce"]:
-        if e.get("impl") != "ours" or not e.get("available"):
-            continue
-        stock = _find(doc["allreduce"], impl="stock_default", devices=e["devices"])
-        for mb in e["gbps"]:
-            r = _bandwidth_ratio(e, stock, mb)
-            if r is not None:
-                ar.append((r, f"{mb} MB, {_devices_label(e['devices'])}",
-                           _fmt_interval(_bandwidth_interval(e, stock, mb))))
+    ar = _bandwidth_ratios(doc)
     if ar:
         worst = min(ar)
-        one = _one_per_call_ratios(doc)
-        one_text = (f". One all-reduce per call (the fixed cost of a call on K devices "
-                    f"included): {min(one)[0]:.2f}x at worst ({min(one)[1]}{min(one)[2]})"
-                    if one else "")
+        one = _bandwidth_ratios(doc, "_one_per_call")
+        one_text = ""
+        if one:
+            worst_one = min(one)
+            one_text = (f". One all-reduce per call (the fixed cost of a call on K devices "
+                        f"included): {worst_one[0]:.2f}x at worst "
+                        f"({worst_one[1]}{worst_one[2]})")
         rows.append(("all-reduce bandwidth, ours >= 2x stock default",
                      f"{worst[0]:.3f}x at worst ({worst[1]}{worst[2]}); "
                      f"best {max(ar)[0]:.2f}x{one_text}",
@@ -251,18 +245,19 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _one_per_call_ratios(doc: dict[str, Any]) -> list[tuple[float, str, str]]:
-    """Ours / stock default for the sizes also timed one all-reduce per call."""
+def _bandwidth_ratios(doc: dict[str, Any], series: str = "") -> list[tuple[float, str, str]]:
+    """Ours / stock default all-reduce bandwidth, per device count and size of
+    ``series`` (see ``_size_windows``): (ratio, label, formatted interval)."""
     out = []
     for e in doc["allreduce"]:
         if e.get("impl") != "ours" or not e.get("available"):
             continue
         stock = _find(doc["allreduce"], impl="stock_default", devices=e["devices"])
-        for mb in e.get("gbps_one_per_call", {}):
-            r = _bandwidth_ratio(e, stock, mb, "_one_per_call")
+        for mb in e.get("gbps" + series, {}):
+            r = _bandwidth_ratio(e, stock, mb, series)
             if r is not None:
                 out.append((r, f"{mb} MB, {_devices_label(e['devices'])}",
-                            _fmt_interval(_bandwidth_interval(e, stock, mb, "_one_per_call"))))
+                            _fmt_interval(_bandwidth_interval(e, stock, mb, series))))
     return out
 
 

@@ -307,25 +307,24 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
             sync(step())
         return step
 
-    # (series, size) -> (elements, all-reduces per call, step)
-    steps: dict[tuple[str, str], tuple[int, int, Any]] = {}
+    # (series, size) -> (megabytes, elements, all-reduces per call, step)
+    steps: dict[tuple[str, str], tuple[float, int, int, Any]] = {}
     for mb in spec["sizes_mb"]:
         n = int(mb * 2**20) // 4
         per_call = all_reduces_per_call(mb)
         with strategy.scope():
             tensors = [tf.Variable(tf.random.normal([n]), trainable=False)
                        for _ in range(per_call)]
-        steps[("sizes", str(mb))] = (n, per_call, make_step(tensors))
+        steps[("sizes", str(mb))] = (mb, n, per_call, make_step(tensors))
         if per_call > 1:
-            steps[("one_per_call", str(mb))] = (n, 1, make_step(tensors[:1]))
+            steps[("one_per_call", str(mb))] = (mb, n, 1, make_step(tensors[:1]))
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in steps}
     wall = []
     for _ in range(spec["windows"]):
         if turns and not _take_turn():
             break
         start = time.time()
-        for key, (n, per_call, step) in steps.items():
-            mb = float(key[1])
+        for key, (mb, n, per_call, step) in steps.items():
             calls = max(3, int(spec.get("calls_mb", 128) / (mb * per_call)))
             t = time.perf_counter()
             for _ in range(calls):
@@ -339,8 +338,8 @@ def run_allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": {}, "one_per_call": {}}
     for (series, mb), x in samples.items():
         out[series][mb] = {"gbps": statistics.median(x), "samples": x}
-    return {**out, "all_reduces_per_call": {str(mb): all_reduces_per_call(mb)
-                                            for mb in spec["sizes_mb"]},
+    return {**out, "all_reduces_per_call": {mb: per_call for (series, mb), (_, _, per_call, _)
+                                            in steps.items() if series == "sizes"},
             "cross_device_ops": _describe_cross_device_ops(strategy),
             "replicas": len(devices), "window_intervals": wall}
 
