@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator import _tf_internal, cluster, data, layers
+from keras_replicator.layers import batch_normalization  # noqa: F401 (install_batch_norm_guard)
 
 # Each strategy instance gets a disjoint range of collective group keys. Workers
 # of one job create their strategies in the same order, so they agree.
@@ -533,7 +534,7 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
         _tf_internal.install_keras_patches()
         _tf_internal.install_all_reduce_gradient_patch()
         # Plain Keras BatchNormalization: moving statistics kept identical across replicas.
-        layers.install_batch_norm_guard()
+        layers.batch_normalization.install_batch_norm_guard()
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True

@@ -1,0 +1,72 @@
+"""The exceptions keras_replicator raises for users to catch.
+
+Bad arguments raise the built-in `ValueError` / `TypeError` (see
+`keras_replicator._validation`); what is here are the conditions a program may
+want to handle on their own: a broken cluster description, a cluster that did not
+come up or lost a worker, devices configured too late, replicas that diverged.
+
+Example:
+    ```python
+    import keras_replicator as kr
+
+    try:
+        kr.simulate_devices(4)
+    except kr.errors.DeviceConfigurationError as e:
+        print("TensorFlow had already started:", e)
+    ```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+__all__ = [
+    "ClusterConfigError",
+    "ClusterStartupError",
+    "DeviceConfigurationError",
+    "ReplicaDivergenceError",
+    "WorkerLostError",
+]
+
+
+class DeviceConfigurationError(RuntimeError):
+    """Raised when devices can no longer be configured (TensorFlow already started)."""
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description (`TF_CONFIG`, Slurm, a resolver) is malformed."""
+
+
+class ClusterStartupError(RuntimeError):
+    """The workers of a multi-worker job could not connect to each other in time."""
+
+
+class WorkerLostError(tf.errors.UnavailableError):
+    """A worker of a multi-worker job stopped responding; training stopped.
+
+    A subclass of `tf.errors.UnavailableError`, so handlers of TensorFlow's
+    own error keep working. `lost_workers` names the workers that were lost,
+    e.g. `["worker 1 (/job:worker/task:1 at 10.0.0.2:2222)"]`.
+
+    Example:
+        ```python
+        try:
+            model.fit(data, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
+        except kr.WorkerLostError as e:
+            print("lost:", e.lost_workers)   # restart the job: it resumes from the backup
+            raise
+        ```
+    """
+
+    def __init__(self, message: str, lost_workers: Sequence[str] = ()):
+        super().__init__(None, None, message)
+        self.lost_workers = list(lost_workers)
+
+    def __reduce__(self):
+        return type(self), (self.message, self.lost_workers)
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Raised by `ReplicaConsistencyCheck` when the replicas' copies of a variable differ."""

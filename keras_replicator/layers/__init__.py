@@ -1,0 +1,31 @@
+"""Layers for replicated training: one module per kind of layer.
+
+* `batch_normalization`: `GlobalBatchNormalization`,
+  `ConditionalGlobalBatchNormalization` and `convert_to_global_batch_norm`.
+
+Example:
+    ```python
+    import keras
+    import keras_replicator as kr
+
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16),
+            kr.layers.GlobalBatchNormalization(),
+        ])
+    ```
+"""
+
+from keras_replicator.layers.batch_normalization import (
+    ConditionalGlobalBatchNormalization,
+    GlobalBatchNormalization,
+    convert_to_global_batch_norm,
+)
+
+__all__ = [
+    "ConditionalGlobalBatchNormalization",
+    "GlobalBatchNormalization",
+    "convert_to_global_batch_norm",
+]
