@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -247,7 +246,7 @@ def _make_strategy(name: str, devices: list[str], cross_device_ops: str | None =
             "hierarchical": tf.distribute.HierarchicalCopyAllReduce(num_packs=1),
             # ours' default without packing: one reduction per tensor.
             "unpacked": tf.distribute.ReductionToOneDevice(
-                accumulation_fn=kr.strategy.default_cross_device_ops(devices).accumulation_fn),
+                accumulation_fn=kr.cross_device_ops.default_cross_device_ops(devices).accumulation_fn),
         }[cross_device_ops]
         return kr.ReplicatorStrategy(devices, cross_device_ops=ops)
     raise ValueError(f"unknown strategy {name!r}")
@@ -526,19 +525,6 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
 # --- multi-worker -------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("localhost", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def run_multiworker(spec: dict[str, Any]) -> dict[str, Any]:
     """2 local worker processes (one CPU device each) training the small CNN in a
     ``strategy.run`` loop; examples/s of the global batch, measured on the chief.
@@ -550,8 +536,10 @@ def run_multiworker(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import tempfile
 
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    from keras_replicator.launch import free_ports
+
+    ports = free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     turns = bool(spec.get("turns"))
     procs, logs = [], []
     for index in range(2):

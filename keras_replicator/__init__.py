@@ -13,15 +13,18 @@ Example:
     ```
 """
 
-from keras_replicator import applications, callbacks, cluster, data, layers, optimizers, testing
-from keras_replicator.cluster import (
-    ClusterConfigError,
-    ClusterStartupError,
-    DeviceConfigurationError,
-    WorkerLostError,
-    local_devices,
-    simulate_devices,
+from keras_replicator import (
+    applications,
+    callbacks,
+    cluster,
+    cross_device_ops,
+    data,
+    errors,
+    layers,
+    optimizers,
+    testing,
 )
+from keras_replicator.cluster import local_devices, simulate_devices
 from keras_replicator.collectives import (
     all_gather,
     all_reduce,
@@ -29,24 +32,37 @@ from keras_replicator.collectives import (
     num_replicas,
     replica_id,
 )
+from keras_replicator.cross_device_ops import PackedReductionToOneDevice
+from keras_replicator.errors import (
+    ClusterConfigError,
+    ClusterStartupError,
+    DeviceConfigurationError,
+    WorkerLostError,
+)
 from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.strategy import ReplicatorStrategy
 
 __version__ = "0.1.0"
 
+# Sorted; the exceptions users catch most are also
+# here (the rest are in `kr.errors`), and `wrap_optimizer` is TF-Replicator's name.
 __all__ = [
     "ClusterConfigError",
     "ClusterStartupError",
     "CrossReplicaOptimizer",
     "DeviceConfigurationError",
+    "PackedReductionToOneDevice",
     "ReplicatorStrategy",
+    "WorkerLostError",
     "all_gather",
-    "applications",
     "all_reduce",
+    "applications",
     "broadcast",
     "callbacks",
     "cluster",
+    "cross_device_ops",
     "data",
+    "errors",
     "layers",
     "local_devices",
     "num_replicas",
@@ -54,6 +70,5 @@ __all__ = [
     "replica_id",
     "simulate_devices",
     "testing",
-    "WorkerLostError",
     "wrap_optimizer",
 ]

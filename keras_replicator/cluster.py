@@ -2,7 +2,7 @@
 
 A multi-worker job is described by ``TF_CONFIG`` (Kubeflow, the launcher), by
 Slurm's environment (``srun``), or by an explicit
-``tf.distribute.cluster_resolver.ClusterResolver``; :func:`resolve_cluster`
+``tf.distribute.cluster_resolver.ClusterResolver``; `resolve_cluster`
 picks and checks it, so that a malformed description fails with a clear message
 before any worker waits for another.
 """
@@ -12,18 +12,21 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import tensorflow as tf
 
-from keras_replicator import _tf_internal
+from keras_replicator._compat.coordination import tensorflow_initialized
+from keras_replicator._validation import check_int
+from keras_replicator.errors import (
+    ClusterConfigError,
+    DeviceConfigurationError,
+)
 
 _T = TypeVar("_T")
 
 
-class DeviceConfigurationError(RuntimeError):
-    """Raised when devices can no longer be configured (TensorFlow already started)."""
 
 
 def simulate_devices(n: int) -> list[str]:
@@ -51,11 +54,10 @@ def simulate_devices(n: int) -> list[str]:
         DeviceConfigurationError: TensorFlow was already initialised with a
             different number of CPU devices.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
+    n = check_int("n", n, minimum=1)
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
-    if _tf_internal.tensorflow_initialized():
+    if tensorflow_initialized():
         have = len(current) if current else 1
         if have != n:
             raise DeviceConfigurationError(
@@ -75,7 +77,7 @@ def local_devices() -> list[str]:
     """The devices a local ``ReplicatorStrategy`` uses by default.
 
     Every local GPU if there is one, else every logical CPU device (one, unless
-    :func:`simulate_devices` split it).
+    `simulate_devices` split it).
 
     Example:
         ```python
@@ -103,37 +105,8 @@ _TRAINING_JOBS = ("chief", "worker")
 _ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
 
 
-class ClusterConfigError(ValueError):
-    """The cluster description (``TF_CONFIG``, Slurm, a resolver) is malformed."""
 
 
-class ClusterStartupError(RuntimeError):
-    """The workers of a multi-worker job could not connect to each other in time."""
-
-
-class WorkerLostError(tf.errors.UnavailableError):
-    """A worker of a multi-worker job stopped responding; training stopped.
-
-    A subclass of ``tf.errors.UnavailableError``, so handlers of TensorFlow's
-    own error keep working. ``lost_workers`` names the workers that were lost,
-    e.g. ``["worker 1 (/job:worker/task:1 at 10.0.0.2:2222)"]``.
-
-    Example:
-        ```python
-        try:
-            model.fit(data, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
-        except kr.WorkerLostError as e:
-            print("lost:", e.lost_workers)   # restart the job: it resumes from the backup
-            raise
-        ```
-    """
-
-    def __init__(self, message: str, lost_workers: Sequence[str] = ()):
-        super().__init__(None, None, message)
-        self.lost_workers = list(lost_workers)
-
-    def __reduce__(self):
-        return type(self), (self.message, self.lost_workers)
 
 
 def _check_address(address, where: str) -> str:
@@ -445,7 +418,7 @@ def simulate_devices_from_env() -> int | None:
 
     ``ReplicatorStrategy`` calls this when it is created, so that a script
     started with ``keras-replicator launch --devices-per-worker K`` gets ``K``
-    CPU devices per worker without calling :func:`simulate_devices` itself.
+    CPU devices per worker without calling `simulate_devices` itself.
 
     Example:
         ```python

@@ -14,6 +14,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._validation import check_int
+
 _OPS = ("sum", "mean", "max", "min")
 
 
@@ -64,8 +66,7 @@ def _check_op(op: str) -> str:
 def _check_group_size(group_size: int | None, n: int) -> int | None:
     if group_size is None or group_size == n:
         return None
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+    check_int("group_size", group_size, minimum=1)
     if n % group_size:
         raise ValueError(
             f"group_size={group_size} does not divide the number of replicas ({n}); "
@@ -158,10 +159,7 @@ def broadcast(x: Any, source_replica: int = 0) -> Any:
         source_replica: the global index of the replica whose value is sent.
     """
     n = num_replicas()
-    if isinstance(source_replica, bool) or not isinstance(source_replica, int) or not (
-        0 <= source_replica < n
-    ):
-        raise ValueError(f"source_replica must be an integer in [0, {n}), got {source_replica!r}.")
+    check_int("source_replica", source_replica, minimum=0, maximum=n - 1)
     if n == 1:
         return x
     is_source = tf.equal(replica_id(), source_replica)

@@ -1,9 +1,10 @@
 """The exceptions keras_replicator raises for users to catch.
 
-Bad arguments raise the built-in `ValueError` / `TypeError` (see
-`keras_replicator._validation`); what is here are the conditions a program may
-want to handle on their own: a broken cluster description, a cluster that did not
-come up or lost a worker, devices configured too late, replicas that diverged.
+A bad argument raises `ArgumentError`, which is both a `ValueError` and a
+`TypeError`, so code that catches either keeps working. The others are the
+conditions a program may want to handle on their own: a broken cluster
+description, a cluster that did not come up or lost a worker, devices configured
+too late, replicas that diverged.
 
 Example:
     ```python
@@ -22,7 +23,10 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from keras_replicator._validation import ArgumentError
+
 __all__ = [
+    "ArgumentError",
     "ClusterConfigError",
     "ClusterStartupError",
     "DeviceConfigurationError",

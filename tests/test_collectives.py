@@ -195,7 +195,7 @@ def test_outside_a_replica_context_behaves_as_one_replica():
     (lambda: kr.all_reduce(tf.constant(1.0), "prod"), "op must be one of"),
     (lambda: kr.all_reduce(tf.constant(1.0), "sum", group_size=3), "does not divide"),
     (lambda: kr.all_reduce(tf.constant(1.0), "sum", group_size=0), "positive integer"),
-    (lambda: kr.broadcast(tf.constant(1.0), source_replica=4), r"source_replica must be an integer in \[0, 4\)"),
+    (lambda: kr.broadcast(tf.constant(1.0), source_replica=4), r"source_replica must be an integer in \[0, 3\]"),
 ])
 def test_bad_arguments_inside_replicas(call, match):
     strategy = kr.ReplicatorStrategy()
