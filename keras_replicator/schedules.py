@@ -54,7 +54,8 @@ class LinearScalingWarmup(keras.optimizers.schedules.LearningRateSchedule):
     linearly, update by update, to the peak over `warmup_steps` updates:
     `base + (peak - base) * step / warmup_steps`. A warmup only ever raises the
     rate: when `global_batch_size <= reference_batch_size` the peak is at most
-    `base_learning_rate` and applies from the first update.
+    `base_learning_rate` and applies from the first update (held through the
+    warmup steps, so a decay still starts after `warmup_steps`).
 
     After the warmup, with `decay=None` the rate stays at the peak; with
     `"cosine"` it follows `peak * ((1 - alpha) * (1 + cos(pi * t)) / 2 + alpha)`,
@@ -155,9 +156,9 @@ class LinearScalingWarmup(keras.optimizers.schedules.LearningRateSchedule):
                 f"boundaries are only used with decay='step'; got decay={decay!r}, "
                 f"boundaries={list(boundaries)!r}."
             )
-        # Never warm *down*: a global batch at most the reference starts at its peak.
+        # Never warm *down*: a global batch at most the reference starts at its peak and
+        # holds it for the warmup (the decay still starts after warmup_steps).
         self._start = min(self.base_learning_rate, self.peak_learning_rate)
-        self._ramp = self.warmup_steps if self.peak_learning_rate > self._start else 0
         self._cosine = None
         if self.decay == "cosine":
             self._cosine = keras.optimizers.schedules.CosineDecay(
@@ -166,7 +167,7 @@ class LinearScalingWarmup(keras.optimizers.schedules.LearningRateSchedule):
                 alpha=self.alpha,
                 name=name,
                 warmup_target=self.peak_learning_rate,
-                warmup_steps=self._ramp,
+                warmup_steps=self.warmup_steps,
             )
 
     @property
@@ -187,10 +188,10 @@ class LinearScalingWarmup(keras.optimizers.schedules.LearningRateSchedule):
                     [tf.cast(step >= b, tf.float32) for b in self.boundaries]
                 )
                 after = peak * tf.pow(tf.constant(self.factor, tf.float32), passed)
-            if self._ramp == 0:
+            if self.warmup_steps == 0:
                 return after
             start = tf.constant(self._start, tf.float32)
-            ramp = tf.constant(float(self._ramp), tf.float32)
+            ramp = tf.constant(float(self.warmup_steps), tf.float32)
             warm = start + (peak - start) * tf.minimum(step, ramp) / ramp
             return tf.where(step < ramp, warm, after)
 
