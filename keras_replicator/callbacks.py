@@ -354,3 +354,14 @@ class ReplicaConsistencyCheck(_ConfigFromArguments):
                 "per-replica updates (random ops, assign() on a mirrored variable from one "
                 "replica, non-deterministic layers) touching this variable."
             )
+
+
+def __getattr__(name: str):
+    if name == "LearningRateWarmup":
+        raise AttributeError(
+            "keras_replicator.callbacks.LearningRateWarmup was removed: the warmup is a learning-rate "
+            "schedule now, keras_replicator.schedules.LinearScalingWarmup(base_learning_rate, "
+            "global_batch_size, warmup_steps=...), given to the optimizer (it follows "
+            "optimizer.iterations, so it resumes from checkpoints)."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -125,6 +125,11 @@ def test_divergence_error_is_the_one_in_errors():
     assert issubclass(ReplicaDivergenceError, RuntimeError)
 
 
+def test_the_warmup_callback_points_to_the_schedule():
+    with pytest.raises(AttributeError, match=r"LearningRateWarmup was removed: .*schedules\.LinearScalingWarmup"):
+        kr.callbacks.LearningRateWarmup  # noqa: B018
+
+
 def test_consistency_check_bad_arguments():
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer, got 0"):
         kr.callbacks.ReplicaConsistencyCheck(every_n_steps=0)
