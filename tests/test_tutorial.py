@@ -71,6 +71,7 @@ def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
     for replica in range(4):
         assert f"replica {replica} on CPU:{replica}: images (2, 64, 64, 3) float32, labels (2, 1000)" in text
     assert "epoch   2" in text and "images/s" in text
+    assert "updates; the optimizer's learning rate now" in text
     assert "validation: top-1" in text
     assert "every replica holds the same weights" in text
     images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
