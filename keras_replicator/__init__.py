@@ -22,6 +22,7 @@ from keras_replicator import (
     errors,
     layers,
     optimizers,
+    schedules,
     testing,
 )
 from keras_replicator.cluster import local_devices, simulate_devices
@@ -68,6 +69,7 @@ __all__ = [
     "num_replicas",
     "optimizers",
     "replica_id",
+    "schedules",
     "simulate_devices",
     "testing",
     "wrap_optimizer",
