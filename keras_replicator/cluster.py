@@ -10,6 +10,7 @@ before any worker waits for another.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,10 @@ def simulate_devices(n: int) -> list[str]:
     runtime (building a tensor, a model, a strategy, or listing logical devices).
     Calling it again with the same ``n`` is harmless.
 
+    Under ``keras-replicator launch --devices-per-worker K`` the launcher's ``K``
+    wins: a call with another ``n`` simulates ``K`` devices and logs one warning
+    saying so, so the same script runs alone and under the launcher.
+
     Example:
         ```python
         import keras_replicator as kr
@@ -53,6 +58,18 @@ def simulate_devices(n: int) -> list[str]:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
+    launcher = _devices_per_worker_from_env()
+    if launcher is not None and launcher != n:
+        logging.getLogger(__name__).warning(
+            "keras_replicator: simulate_devices(%d) ignored: the launcher's --devices-per-worker "
+            "(%s=%d) applies, so this worker simulates %d CPU devices.",
+            n, DEVICES_PER_WORKER_ENV, launcher, launcher,
+        )
+        n = launcher
+    return _simulate(n)
+
+
+def _simulate(n: int) -> list[str]:
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if _tf_internal.tensorflow_initialized():
@@ -440,6 +457,15 @@ def task_names(cluster_spec: tf.train.ClusterSpec) -> dict[str, str]:
     return names
 
 
+def _devices_per_worker_from_env() -> int | None:
+    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
+    return int(value)
+
+
 def simulate_devices_from_env() -> int | None:
     """Applies ``KERAS_REPLICATOR_DEVICES_PER_WORKER`` (set by the launcher), if set.
 
@@ -458,15 +484,13 @@ def simulate_devices_from_env() -> int | None:
     Returns:
         The number of devices simulated, or ``None`` when the variable is unset.
     """
-    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
-    if not value:
+    value = _devices_per_worker_from_env()
+    if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
     try:
-        simulate_devices(int(value))
+        _simulate(value)
     except DeviceConfigurationError as e:
         raise DeviceConfigurationError(
             f"{DEVICES_PER_WORKER_ENV}={value} asks for {value} CPU devices per worker, but {e}"
         ) from None
-    return int(value)
+    return value
