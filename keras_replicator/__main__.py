@@ -86,6 +86,7 @@ def _launch(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         port=args.port,
         max_restarts=args.max_restarts,
+        ps=args.ps,
         log_dir=args.log_dir,
         tee=args.tee,
         gpus=gpus,
@@ -107,6 +108,7 @@ def _k8s(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             gpus_per_worker=args.gpus_per_worker,
             restart_policy=args.restart_policy,
+            ps=args.ps,
         )
     )
     return 0
@@ -148,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 2222)")
     launch.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                         help="restart every worker after a failure, up to N times (default 0)")
+    launch.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
+                        help="a parameter-server job: a chief, the N workers and M ps tasks "
+                        "(a failed worker is restarted alone, up to --max-restarts times)")
     launch.add_argument("--log-dir", default=None, metavar="DIR",
                         help="also write each worker's output to DIR/worker_i.log")
     launch.add_argument("--tee", choices=["all", "chief", "none"], default="all",
@@ -173,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--image", required=True, help="container image with the script")
     k8s.add_argument("--name", default="keras-replicator", help="the TFJob's name")
     k8s.add_argument("--namespace", default=None)
+    k8s.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
+                     help="a parameter-server job: Chief, N Worker and M PS replicas")
     k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G")
     k8s.add_argument("--restart-policy", default="OnFailure",
                      choices=["OnFailure", "Always", "Never", "ExitCode"])

@@ -85,31 +85,44 @@ def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def tf_config(addresses: Sequence[str], index: int) -> str:
-    """The ``TF_CONFIG`` JSON for worker ``index`` of a cluster of ``addresses``.
+def tf_config(
+    addresses: Sequence[str] | Mapping[str, Sequence[str]], index: int, task_type: str = "worker"
+) -> str:
+    """The ``TF_CONFIG`` JSON for task ``index`` of a cluster.
 
-    Every task is a ``worker``; worker 0 is the chief (it writes checkpoints).
+    ``addresses`` lists the workers (every task a ``worker``; worker 0 is the
+    chief), or maps each job (``"chief"``, ``"worker"``, ``"ps"``) to its tasks'
+    addresses, as a parameter-server job needs.
 
     Example:
         ```python
         from keras_replicator.launch import tf_config
         tf_config(["10.0.0.1:2222", "10.0.0.2:2222"], 1)
         # '{"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}, "task": {"type": "worker", "index": 1}}'
+        tf_config({"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]}, 0, "ps")
         ```
 
     Args:
-        addresses: ``host:port`` of every worker, in worker order.
-        index: this worker's position in ``addresses``.
+        addresses: ``host:port`` of every worker in worker order, or
+            ``{job: [host:port, ...]}``.
+        index: this task's position in its job.
+        task_type: this task's job.
     """
-    addresses = list(addresses)
-    if not addresses:
+    cluster = {k: list(v) for k, v in addresses.items()} if isinstance(addresses, Mapping) else {
+        "worker": list(addresses)}
+    if not any(cluster.values()):
         raise ValueError("addresses is empty: give one host:port per worker.")
-    for a in addresses:
-        if not isinstance(a, str) or not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):\d{1,5}", a):
-            raise ValueError(f"Worker address {a!r} is not of the form host:port.")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(addresses):
-        raise ValueError(f"index must be an integer in [0, {len(addresses)}), got {index!r}.")
-    return json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
+    for job, tasks in cluster.items():
+        for a in tasks:
+            if not isinstance(a, str) or not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):\d{1,5}", a):
+                label = "Worker" if job == "worker" else f"The {job} task's"
+                raise ValueError(f"{label} address {a!r} is not of the form host:port.")
+    if task_type not in cluster:
+        raise ValueError(f"task_type {task_type!r} is not a job of the cluster {sorted(cluster)}.")
+    n = len(cluster[task_type])
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+        raise ValueError(f"index must be an integer in [0, {n}), got {index!r}.")
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
 
 
 def parse_hosts(spec: str | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -248,16 +261,17 @@ class _Signals:
 class _Worker:
     """One worker process, the thread copying its output, and its last lines."""
 
-    def __init__(self, index: int, process: subprocess.Popen, echo: bool, out: TextIO,
+    def __init__(self, task: tuple[str, int], process: subprocess.Popen, echo: bool, out: TextIO,
                  log: TextIO | None, lock: threading.Lock):
-        self.index, self.process, self.echo = index, process, echo
+        self.task, self.process, self.echo = task, process, echo
+        self.name = f"{task[0]} {task[1]}"
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
         self._out, self._log, self._lock = out, log, lock
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
     def _pump(self) -> None:
-        prefix = f"[worker {self.index}] "
+        prefix = f"[{self.name}] "
         stream = self.process.stdout
         for line in iter(stream.readline, ""):
             line = line if line.endswith("\n") else line + "\n"
@@ -316,6 +330,7 @@ def launch(
     node_rank: int | None = None,
     port: int = 2222,
     max_restarts: int = 0,
+    ps: int = 0,
     log_dir: str | None = None,
     tee: str = "all",
     gpus: Sequence[str] | None = None,
@@ -365,9 +380,16 @@ def launch(
         node_rank: this machine's position in ``hosts`` (required with more
             than one node).
         port: with ``hosts``, the first port of every node's workers.
-        max_restarts: how many times a failed job is restarted.
-        log_dir: also write each worker's output to ``log_dir/worker_i.log``.
-        tee: whose output is printed: ``"all"``, ``"chief"`` (worker 0) or
+        max_restarts: how many times a failed job is restarted. In a
+            parameter-server job (``ps``), also how many times each failed
+            worker is restarted alone (as Kubernetes' ``restartPolicy: OnFailure``).
+        ps: parameter-server tasks: with ``ps=M``, the job is one ``chief`` (the
+            coordinator), ``workers`` workers and ``M`` ps tasks on this machine,
+            each with its ``TF_CONFIG``; it ends when the chief exits (the others
+            are then stopped).
+        log_dir: also write each task's output to ``log_dir/worker_i.log``
+            (``chief_0.log``, ``ps_j.log`` in a parameter-server job).
+        tee: whose output is printed: ``"all"``, ``"chief"`` (worker 0, or the chief task) or
             ``"none"``. A failing worker's last lines are printed anyway.
         gpus: the GPU ids to split among the local workers
             (``CUDA_VISIBLE_DEVICES`` per worker); ``None`` detects them
@@ -399,17 +421,23 @@ def launch(
     timeout = check_number("timeout", timeout, positive=True, optional=True)
     if log_dir is not None and (not isinstance(log_dir, str) or not log_dir):
         raise ValueError(f"log_dir must be a directory path, got {log_dir!r}.")
+    ps = check_int("ps", ps, minimum=0)
     if hosts is None:
         if workers is None:
             raise ValueError("Give workers=N (one machine) or hosts='h1:2,h2:2' (several).")
         check_int("workers", workers, minimum=1)
         if node_rank not in (None, 0):
             raise ValueError(f"node_rank={node_rank!r} needs hosts= (the nodes of the job).")
-        local = list(range(workers))
-        addresses = None  # free ports, chosen again at every start
+        if ps:  # a parameter-server job: one chief (the coordinator), the workers, the ps tasks
+            tasks = [("chief", 0), *(("worker", i) for i in range(workers)), *(("ps", j) for j in range(ps))]
+        else:
+            tasks = [("worker", i) for i in range(workers)]
+        fixed = None  # free ports, chosen again at every start
     else:
         if workers is not None:
             raise ValueError("Give either workers= (one machine) or hosts= (several), not both.")
+        if ps:
+            raise ValueError("ps= runs a parameter-server job on one machine; use workers=, not hosts=.")
         nodes = parse_hosts(hosts)
         if node_rank is None and len(nodes) > 1:
             raise ValueError(
@@ -417,22 +445,35 @@ def launch(
                 f"position in it, 0 .. {len(nodes) - 1}."
             )
         node_rank = check_int("node_rank", node_rank or 0, minimum=0, maximum=len(nodes) - 1)
-        addresses = cluster_addresses(nodes, port)
+        fixed = {"worker": cluster_addresses(nodes, port)}
         first = sum(count for _, count in nodes[:node_rank])
-        local = list(range(first, first + nodes[node_rank][1]))
+        tasks = [("worker", i) for i in range(first, first + nodes[node_rank][1])]
     base_env = dict(os.environ, **(env or {}))
     gpu_list = _detect_gpus(base_env) if gpus is None else [str(g) for g in gpus]
     out = output if output is not None else sys.stdout
     lock = threading.Lock()
-    visible = gpu_assignment(gpu_list, len(local))
+    computing = [t for t in tasks if t[0] != "ps"]  # the GPUs go to the tasks that compute
+    visible = gpu_assignment(gpu_list, len(computing))
     if gpu_list and visible is None:
-        _say(out, lock, f"{len(local)} local workers but {len(gpu_list)} GPU(s): they share them "
+        _say(out, lock, f"{len(computing)} local workers but {len(gpu_list)} GPU(s): they share them "
                         "(CUDA_VISIBLE_DEVICES left as it is)")
-    logs: dict[int, TextIO] = {}
+    gpus_of = {} if visible is None else dict(zip(computing, visible))
+    logs: dict[tuple[str, int], TextIO] = {}
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
-        logs = {i: open(os.path.join(log_dir, f"worker_{i}.log"), "w") for i in local}
+        logs = {t: open(os.path.join(log_dir, f"{t[0]}_{t[1]}.log"), "w") for t in tasks}
 
+    def cluster() -> dict[str, list[str]]:
+        if fixed is not None:
+            return fixed
+        addresses = iter(_format_address(host, p) for p in free_ports(len(tasks), host))
+        jobs: dict[str, list[str]] = {}
+        for job, _ in tasks:
+            jobs.setdefault(job, []).append(next(addresses))
+        return jobs
+
+    job = _Job(script, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs, grace,
+               max_restarts, out, lock)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         with _Signals() as signals:
@@ -441,11 +482,7 @@ def launch(
                     _say(out, lock, f"restarting every worker (restart {attempt} of {max_restarts})")
                     for f in logs.values():
                         f.write(f"[launcher] restart {attempt} of {max_restarts}\n")
-                job = addresses or [_format_address(host, p) for p in free_ports(len(local), host)]
-                result, retry = _run_attempt(
-                    script, args, job, local, attempt, devices_per_worker, visible, base_env,
-                    python, tee, logs, grace, deadline, timeout, signals, out, lock,
-                )
+                result, retry = job.run(cluster(), attempt, deadline, timeout, signals)
                 if not retry:
                     return result
             return result
@@ -454,69 +491,105 @@ def launch(
             f.close()
 
 
-def _run_attempt(script, args, addresses, local, attempt, devices_per_worker, visible, base_env,
-                 python, tee, logs, grace, deadline, timeout, signals, out, lock) -> tuple[int, bool]:
-    """One start of the local workers; (exit code, whether a restart may help)."""
-    workers: list[_Worker] = []
-    try:
-        for position, i in enumerate(local):
-            worker_env = dict(base_env)
-            worker_env.update(
-                TF_CONFIG=tf_config(addresses, i),
-                PYTHONUNBUFFERED="1",
-                **{WORKER_INDEX_ENV: str(i), RESTART_COUNT_ENV: str(attempt)},
-            )
-            if devices_per_worker is not None:
-                worker_env[DEVICES_PER_WORKER_ENV] = str(devices_per_worker)
-            if visible is not None:
-                worker_env["CUDA_VISIBLE_DEVICES"] = visible[position]
-            process = subprocess.Popen(
-                [python, script, *args],
-                env=worker_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                start_new_session=True,  # its own process group: signalled as a whole
-            )
-            echo = tee == "all" or (tee == "chief" and i == 0)
-            workers.append(_Worker(i, process, echo, out, logs.get(i), lock))
+class _Job:
+    """The local tasks of a job, started together; one `run` per start of the job."""
 
-        while True:
-            if signals.received:
-                signum = signals.received[0]
-                name = signal.Signals(signum).name
-                _say(out, lock, f"got {name}: forwarding it to every worker "
-                                f"(SIGKILL after {grace:g} s or on a second signal)")
-                _stop(workers, signum, grace, signals)
-                _say(out, lock, "every worker has exited")
-                return 128 + signum, False
-            failed = [w for w in workers if w.process.poll() not in (None, 0)]
-            if failed:
-                w = failed[0]
-                code = _exit_code(w.process.returncode)
-                _say(out, lock, f"worker {w.index} exited with code {code}; stopping the others")
-                _stop(workers, signal.SIGTERM, grace, signals)
-                if not w.echo:
-                    w.thread.join(timeout=5)
-                    with lock:
-                        out.write(f"[launcher] the last lines of worker {w.index}:\n")
-                        out.writelines(f"[worker {w.index}] {line}" for line in w.tail)
-                        out.flush()
-                return code, True
-            if all(w.process.poll() is not None for w in workers):
-                return 0, False
-            if deadline is not None and time.monotonic() > deadline:
-                _say(out, lock, f"timeout after {timeout:g} s; stopping every worker")
-                _stop(workers, signal.SIGTERM, grace, signals)
-                return 124, False
-            time.sleep(0.05)
-    finally:
-        # Also reached on an unexpected error: never leave workers behind.
-        _stop(workers, signal.SIGTERM, grace, signals)
-        for w in workers:
-            w.thread.join(timeout=5)
+    def __init__(self, script, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs,
+                 grace, max_restarts, out, lock):
+        self.script, self.args, self.tasks = script, args, tasks
+        self.devices_per_worker, self.gpus_of, self.base_env = devices_per_worker, gpus_of, base_env
+        self.python, self.tee, self.logs, self.grace = python, tee, logs, grace
+        self.max_restarts, self.out, self.lock = max_restarts, out, lock
+        self.parameter_servers = any(job == "ps" for job, _ in tasks)
+        self.chief = ("chief", 0) if self.parameter_servers else ("worker", 0)
+
+    def _start(self, cluster, task, restart) -> _Worker:
+        job, index = task
+        env = dict(self.base_env)
+        env.update(TF_CONFIG=tf_config(cluster, index, job), PYTHONUNBUFFERED="1",
+                   **{RESTART_COUNT_ENV: str(restart)})
+        if job == "worker":
+            env[WORKER_INDEX_ENV] = str(index)
+        if self.devices_per_worker is not None:
+            env[DEVICES_PER_WORKER_ENV] = str(self.devices_per_worker)
+        if task in self.gpus_of:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus_of[task]
+        process = subprocess.Popen(
+            [self.python, self.script, *self.args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: signalled as a whole
+        )
+        echo = self.tee == "all" or (self.tee == "chief" and task == self.chief)
+        return _Worker(task, process, echo, self.out, self.logs.get(task), self.lock)
+
+    def _print_tail(self, w: _Worker) -> None:
+        if w.echo:
+            return
+        w.thread.join(timeout=5)
+        with self.lock:
+            self.out.write(f"[launcher] the last lines of {w.name}:\n")
+            self.out.writelines(f"[{w.name}] {line}" for line in w.tail)
+            self.out.flush()
+
+    def run(self, cluster, attempt, deadline, timeout, signals) -> tuple[int, bool]:
+        """One start of the local tasks; (exit code, whether restarting the job may help)."""
+        out, lock = self.out, self.lock
+        workers: list[_Worker] = []
+        restarts = dict.fromkeys(self.tasks, 0)  # per-task restarts (parameter-server jobs)
+        try:
+            for task in self.tasks:
+                workers.append(self._start(cluster, task, attempt))
+            while True:
+                if signals.received:
+                    signum = signals.received[0]
+                    name = signal.Signals(signum).name
+                    _say(out, lock, f"got {name}: forwarding it to every worker "
+                                    f"(SIGKILL after {self.grace:g} s or on a second signal)")
+                    _stop(workers, signum, self.grace, signals)
+                    _say(out, lock, "every worker has exited")
+                    return 128 + signum, False
+                if self.parameter_servers:
+                    chief = workers[0]
+                    if chief.process.poll() == 0:  # the coordinator finished: the job is done
+                        _say(out, lock, "the chief finished; stopping the workers and ps tasks")
+                        _stop(workers, signal.SIGTERM, self.grace, signals)
+                        return 0, False
+                failed = [w for w in workers if w.process.poll() not in (None, 0)]
+                for w in failed:
+                    code = _exit_code(w.process.returncode)
+                    if (self.parameter_servers and w.task[0] == "worker"
+                            and restarts[w.task] < self.max_restarts):
+                        # As Kubernetes' restartPolicy OnFailure: this worker alone, same address.
+                        restarts[w.task] += 1
+                        _say(out, lock, f"{w.name} exited with code {code}; restarting it (restart "
+                                        f"{restarts[w.task]} of {self.max_restarts})")
+                        self._print_tail(w)
+                        w.signal_group(signal.SIGKILL)  # anything it left behind
+                        w.thread.join(timeout=5)
+                        workers[workers.index(w)] = self._start(cluster, w.task, restarts[w.task])
+                        continue
+                    _say(out, lock, f"{w.name} exited with code {code}; stopping the others")
+                    _stop(workers, signal.SIGTERM, self.grace, signals)
+                    self._print_tail(w)
+                    # A worker of a parameter-server job was restarted alone already.
+                    return code, not (self.parameter_servers and w.task[0] == "worker")
+                if all(w.process.poll() is not None for w in workers):
+                    return 0, False
+                if deadline is not None and time.monotonic() > deadline:
+                    _say(out, lock, f"timeout after {timeout:g} s; stopping every worker")
+                    _stop(workers, signal.SIGTERM, self.grace, signals)
+                    return 124, False
+                time.sleep(0.05)
+        finally:
+            # Also reached on an unexpected error: never leave workers behind.
+            _stop(workers, signal.SIGTERM, self.grace, signals)
+            for w in workers:
+                w.thread.join(timeout=5)
 
 
 _K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -537,6 +610,7 @@ def k8s_manifest(
     gpus_per_worker: int = 0,
     restart_policy: str = "OnFailure",
     python: str = "python",
+    ps: int = 0,
 ) -> str:
     """A Kubeflow ``TFJob`` manifest (YAML) running ``script`` on ``workers`` pods.
 
@@ -562,6 +636,10 @@ def k8s_manifest(
         gpus_per_worker: ``nvidia.com/gpu`` limit per pod (0: none).
         restart_policy: ``"OnFailure"``, ``"Always"``, ``"Never"`` or ``"ExitCode"``.
         python: the interpreter command inside the image.
+        ps: parameter-server pods: with ``ps=M`` the TFJob has a ``Chief`` (the
+            coordinator of asynchronous training), ``workers`` ``Worker`` pods and
+            ``M`` ``PS`` pods, each with the same container (GPUs for the chief
+            and workers only).
 
     Returns:
         The manifest, for ``kubectl apply -f -``.
@@ -587,6 +665,8 @@ def k8s_manifest(
     if restart_policy not in policies:
         raise ValueError(f"restart_policy must be one of {policies}, got {restart_policy!r}.")
 
+    ps = check_int("ps", ps, minimum=0)
+
     command = ", ".join(_yaml_str(c) for c in [python, script, *args])
     lines = [
         "apiVersion: kubeflow.org/v1",
@@ -598,23 +678,27 @@ def k8s_manifest(
         "  runPolicy:",
         "    cleanPodPolicy: Running",
         "  tfReplicaSpecs:",
-        "    Worker:",
-        f"      replicas: {workers}",
-        f"      restartPolicy: {restart_policy}",
-        "      template:",
-        "        spec:",
-        "          containers:",
-        "            - name: tensorflow  # the training operator expects this name",
-        f"              image: {_yaml_str(image)}",
-        f"              command: [{command}]",
-        "              ports:",
-        "                - name: tfjob-port",
-        "                  containerPort: 2222",
     ]
-    if gpus_per_worker:
+    replicas = [("Chief", 1), ("Worker", workers), ("PS", ps)] if ps else [("Worker", workers)]
+    for kind, count in replicas:
         lines += [
-            "              resources:",
-            "                limits:",
-            f"                  nvidia.com/gpu: {gpus_per_worker}",
+            f"    {kind}:",
+            f"      replicas: {count}",
+            f"      restartPolicy: {restart_policy}",
+            "      template:",
+            "        spec:",
+            "          containers:",
+            "            - name: tensorflow  # the training operator expects this name",
+            f"              image: {_yaml_str(image)}",
+            f"              command: [{command}]",
+            "              ports:",
+            "                - name: tfjob-port",
+            "                  containerPort: 2222",
         ]
+        if gpus_per_worker and kind != "PS":
+            lines += [
+                "              resources:",
+                "                limits:",
+                f"                  nvidia.com/gpu: {gpus_per_worker}",
+            ]
     return "\n".join(lines) + "\n"

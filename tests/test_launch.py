@@ -401,6 +401,84 @@ def test_each_local_worker_gets_its_gpus(tmp_path, monkeypatch):
     assert lines_of(result.stdout, 0) == ["gpus 4"] and lines_of(result.stdout, 1) == ["gpus 5"]
 
 
+# --- Parameter-server jobs: chief + workers + ps, a failed worker restarted alone --------------
+
+
+PS_TASK = """
+    import glob, json, os, sys, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    job, index = config["task"]["type"], config["task"]["index"]
+    restart = int(os.environ["KERAS_REPLICATOR_RESTART_COUNT"])
+    here = {here!r}
+    print("task", job, index, "restart", restart, "cluster", json.dumps(config["cluster"]))
+    open(os.path.join(here, f"{{job}}{{index}}-{{restart}}-{{os.getpid()}}"), "w").close()
+    if job == "worker" and index == 1 and restart == 0:
+        sys.exit(4)  # dies once
+    if job == "chief":
+        deadline = time.monotonic() + 60
+        while not glob.glob(os.path.join(here, "worker1-1-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("chief done")
+        sys.exit(0)
+    time.sleep(120)  # workers and ps tasks serve until they are stopped
+"""
+
+
+def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
+    here = tmp_path / "tasks"
+    here.mkdir()
+    out = io.StringIO()
+    code = launch(script(tmp_path, PS_TASK.format(here=str(here))), workers=2, ps=1, max_restarts=2,
+                  grace=1, output=out, log_dir=str(tmp_path / "logs"))
+    text = out.getvalue()
+    assert code == 0, text
+    started = sorted(name.rsplit("-", 1)[0] for name in os.listdir(here))
+    # The chief, worker 0 and the ps started once; worker 1 twice (restarted alone).
+    assert started == ["chief0-0", "ps0-0", "worker0-0", "worker1-0", "worker1-1"]
+    assert "[launcher] worker 1 exited with code 4; restarting it (restart 1 of 2)" in text
+    assert "[chief 0] chief done" in text
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in text
+    clusters = {json.dumps(json.loads(m), sort_keys=True) for m in re.findall(r"cluster (\{.*\})", text)}
+    assert len(clusters) == 1  # the restarted worker kept its address
+    cluster = json.loads(clusters.pop())
+    assert {job: len(tasks) for job, tasks in cluster.items()} == {"chief": 1, "worker": 2, "ps": 1}
+    addresses = [a for tasks in cluster.values() for a in tasks]
+    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert sorted(os.listdir(tmp_path / "logs")) == ["chief_0.log", "ps_0.log", "worker_0.log", "worker_1.log"]
+    for pid in (int(name.rsplit("-", 1)[1]) for name in os.listdir(here)):
+        assert not _alive(pid)
+    # Without restarts left, the worker's failure ends the job.
+    (here2 := tmp_path / "again").mkdir()
+    out = io.StringIO()
+    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1,
+                  grace=1, output=out) == 4
+    assert "[launcher] worker 1 exited with code 4; stopping the others" in out.getvalue()
+    with pytest.raises(ValueError, match="ps= runs a parameter-server job on one machine"):
+        launch(script(tmp_path, "print(1)\n"), hosts="a:1", ps=1)
+
+
+def test_tf_config_of_a_parameter_server_cluster():
+    cluster = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]}
+    assert json.loads(tf_config(cluster, 1, "worker")) == {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+    with pytest.raises(ValueError, match=re.escape("task_type 'evaluator' is not a job of the cluster")):
+        tf_config(cluster, 0, "evaluator")
+    with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 1), got 1")):
+        tf_config(cluster, 1, "ps")
+    with pytest.raises(ValueError, match="The ps task's address 'h' is not of the form host:port"):
+        tf_config({"worker": ["h:1"], "ps": ["h"]}, 0)
+
+
+def test_k8s_manifest_of_a_parameter_server_job(capsys):
+    assert main(["k8s", "--workers", "4", "--ps", "2", "--image", "img:1", "--gpus-per-worker", "1", "t.py"]) == 0
+    specs = yaml.safe_load(capsys.readouterr().out)["spec"]["tfReplicaSpecs"]
+    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Chief": 1, "Worker": 4, "PS": 2}
+    for kind, spec in specs.items():
+        assert spec["restartPolicy"] == "OnFailure"
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["command"] == ["python", "t.py"]
+        assert ("resources" in container) == (kind != "PS")
+
+
 # --- Startup: the command line imports no TensorFlow ------------------------------------------
 
 
@@ -475,6 +553,7 @@ def test_k8s_command_prints_the_manifest(capsys):
         ({"namespace": "Team"}, "namespace must be a Kubernetes name"),
         ({"gpus_per_worker": -1}, "gpus_per_worker must be a non-negative integer"),
         ({"restart_policy": "Sometimes"}, "restart_policy must be one of"),
+        ({"ps": -1}, "ps must be a non-negative integer"),
     ],
 )
 def test_bad_k8s_arguments(kwargs, message):
