@@ -381,8 +381,9 @@ def launch(
             than one node).
         port: with ``hosts``, the first port of every node's workers.
         max_restarts: how many times a failed job is restarted. In a
-            parameter-server job (``ps``), also how many times each failed
-            worker is restarted alone (as Kubernetes' ``restartPolicy: OnFailure``).
+            parameter-server job (``ps``), how many times each failed worker is
+            restarted alone instead (as Kubernetes' ``restartPolicy: OnFailure``);
+            a failed chief or ps task ends that job.
         ps: parameter-server tasks: with ``ps=M``, the job is one ``chief`` (the
             coordinator), ``workers`` workers and ``M`` ps tasks on this machine,
             each with its ``TF_CONFIG``; it ends when the chief exits (the others
@@ -576,8 +577,8 @@ class _Job:
                     _say(out, lock, f"{w.name} exited with code {code}; stopping the others")
                     _stop(workers, signal.SIGTERM, self.grace, signals)
                     self._print_tail(w)
-                    # A worker of a parameter-server job was restarted alone already.
-                    return code, not (self.parameter_servers and w.task[0] == "worker")
+                    # A parameter-server job restarts its workers alone, never as a whole.
+                    return code, not self.parameter_servers
                 if all(w.process.poll() is not None for w in workers):
                     return 0, False
                 if deadline is not None and time.monotonic() > deadline:

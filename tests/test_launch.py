@@ -453,6 +453,13 @@ def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
     assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1,
                   grace=1, output=out) == 4
     assert "[launcher] worker 1 exited with code 4; stopping the others" in out.getvalue()
+    # A failed ps task ends the job: no restart, whatever max_restarts says.
+    failing_ps = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == 'ps':\n" \
+                 "    sys.exit(6)\ntime.sleep(120)\n"
+    out = io.StringIO()
+    assert launch(script(tmp_path, failing_ps, "ps3.py"), workers=1, ps=1, max_restarts=2, grace=1, output=out) == 6
+    assert "[launcher] ps 0 exited with code 6; stopping the others" in out.getvalue()
+    assert "restart" not in out.getvalue()
     with pytest.raises(ValueError, match="ps= runs a parameter-server job on one machine"):
         launch(script(tmp_path, "print(1)\n"), hosts="a:1", ps=1)
 
