@@ -372,6 +372,7 @@ class Throughput(_ConfigFromArguments):
             "global_batch_size", global_batch_size, optional=True
         )
         self._skip_first = True
+        self._max_fn = None  # the cross-worker max of a multi-worker job, built on first use
         self.last = None
 
     def _examples(self, steps_in_epoch: int) -> float:
@@ -399,7 +400,7 @@ class Throughput(_ConfigFromArguments):
         strategy = self.model.distribute_strategy
         if getattr(strategy, "num_workers", 1) <= 1:
             return seconds
-        if getattr(self, "_max_fn", None) is None:
+        if self._max_fn is None:
 
             @tf.function
             def longest(value):
