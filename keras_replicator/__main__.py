@@ -76,23 +76,30 @@ def _launch(args: argparse.Namespace) -> int:
     from keras_replicator import launch  # no TensorFlow: the launcher starts at once
 
     gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g.strip()]
-    return launch.launch(
-        args.script,
-        args.args,
-        workers=args.workers,
-        devices_per_worker=args.devices_per_worker,
-        host=args.host,
-        hosts=args.hosts,
-        node_rank=args.node_rank,
-        port=args.port,
-        max_restarts=args.max_restarts,
-        ps=args.ps,
-        log_dir=args.log_dir,
-        tee=args.tee,
-        gpus=gpus,
-        grace=args.grace,
-        timeout=args.timeout,
-    )
+    try:
+        return launch.launch(
+            args.script,
+            args.args,
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            host=args.host,
+            hosts=args.hosts,
+            node_rank=args.node_rank,
+            port=args.port,
+            nnodes=args.nnodes,
+            master=args.master,
+            rendezvous_timeout=args.rendezvous_timeout,
+            max_restarts=args.max_restarts,
+            ps=args.ps,
+            log_dir=args.log_dir,
+            tee=args.tee,
+            gpus=gpus,
+            grace=args.grace,
+            timeout=args.timeout,
+        )
+    except TimeoutError as e:  # the rendezvous of --nnodes did not complete
+        sys.stderr.write(f"keras-replicator launch: {e}\n")
+        return 1
 
 
 def _k8s(args: argparse.Namespace) -> int:
@@ -144,10 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--hosts", default=None, metavar="H1:N1,H2:N2",
                         help="every node of a multi-host job with its worker count, in node order")
     launch.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
-                        help="this machine's position in --hosts")
+                        help="this machine's position in --hosts, or its rank of --nnodes")
     launch.add_argument("--port", type=_number_type(int, "in 1..65535", lambda v: 1 <= v <= 65535),
                         default=2222, help="with --hosts: first port of each node's workers "
                         "(default 2222)")
+    launch.add_argument("--nnodes", type=_positive_int, default=None, metavar="N",
+                        help="number of nodes that find each other through --master (instead of "
+                        "--hosts); --workers is then per node and --host this node's address")
+    launch.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="with --nnodes: node 0's address and a free port for the rendezvous")
+    launch.add_argument("--rendezvous-timeout", type=_positive_float, default=300.0,
+                        metavar="SECONDS", help="with --nnodes: how long to wait for every node")
     launch.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                         help="restart every worker after a failure, up to N times (default 0)")
     launch.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",

@@ -191,6 +191,113 @@ def cluster_addresses(hosts: Sequence[tuple[str, int]], port: int) -> list[str]:
     return addresses
 
 
+def _split_address(address: str, what: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d{1,5})", address) if isinstance(address, str) else None
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError(f"{what} must be host:port, got {address!r}.")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def rendezvous(master: str, nnodes: int, node_rank: int, addresses: Sequence[str],
+               timeout: float = 300.0) -> list[list[str]]:
+    """Exchanges every node's worker addresses through node 0; every node gets the same table.
+
+    Node 0 listens on ``master`` until the other ``nnodes - 1`` nodes have sent
+    their rank and addresses, then answers each with the whole table; the others
+    connect (retrying until ``timeout``), send theirs and wait for it. The
+    exchange is plain, unauthenticated JSON over TCP: keep ``master`` on the
+    private network the workers use.
+
+    Example:
+        ```python
+        from keras_replicator.launch import rendezvous
+        # on node 1 of 2, its workers on free ports of its address 10.0.0.2:
+        table = rendezvous("10.0.0.1:29400", 2, 1, ["10.0.0.2:41001", "10.0.0.2:41002"])
+        # [['10.0.0.1:40411', '10.0.0.1:40412'], ['10.0.0.2:41001', '10.0.0.2:41002']]
+        ```
+
+    Args:
+        master: ``host:port`` of node 0's rendezvous server.
+        nnodes: number of nodes.
+        node_rank: this node's rank, ``0 .. nnodes - 1``.
+        addresses: this node's workers' ``host:port``.
+        timeout: seconds to wait for every node.
+
+    Returns:
+        Every node's worker addresses, in node-rank order.
+    """
+    host, port = _split_address(master, "master")
+    nnodes = check_int("nnodes", nnodes, minimum=1)
+    node_rank = check_int("node_rank", node_rank, minimum=0, maximum=nnodes - 1)
+    timeout = check_number("timeout", timeout, positive=True)
+    addresses = list(addresses)
+    deadline = time.monotonic() + timeout
+    if nnodes == 1:
+        return [addresses]
+    if node_rank == 0:
+        table: dict[int, list[str]] = {0: addresses}
+        peers: list[socket.socket] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.create_server((host, port), family=family) as server:
+                server.settimeout(0.5)
+                while len(table) < nnodes:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(nnodes)) - set(table))
+                        raise TimeoutError(
+                            f"Rendezvous at {master}: node rank(s) {missing} did not arrive within "
+                            f"{timeout:g} s (started with the same --nnodes and --master?)."
+                        )
+                    try:
+                        peer, _ = server.accept()
+                    except TimeoutError:  # socket.timeout
+                        continue
+                    peer.settimeout(30)
+                    peers.append(peer)
+                    message = json.loads(peer.makefile("r").readline() or "{}")
+                    rank, count = message.get("rank"), message.get("nnodes")
+                    if count != nnodes or not isinstance(rank, int) or not 0 < rank < nnodes or rank in table:
+                        raise ValueError(
+                            f"Rendezvous at {master}: a node says it is rank {rank!r} of {count!r}, "
+                            f"but this job has {nnodes} nodes and ranks {sorted(table)} arrived already."
+                        )
+                    table[rank] = list(message["addresses"])
+            reply = (json.dumps({"nodes": [table[r] for r in range(nnodes)]}) + "\n").encode()
+            for peer in peers:
+                peer.sendall(reply)
+        finally:
+            for peer in peers:
+                peer.close()
+        return [table[r] for r in range(nnodes)]
+    while True:
+        try:
+            peer = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Rendezvous: node {node_rank} could not reach node 0 at {master} within "
+                    f"{timeout:g} s ({e})."
+                ) from None
+            time.sleep(0.2)
+    with peer:
+        peer.settimeout(max(1.0, deadline - time.monotonic()))
+        peer.sendall((json.dumps({"rank": node_rank, "nnodes": nnodes, "addresses": addresses}) + "\n").encode())
+        try:
+            line = peer.makefile("r").readline()
+        except TimeoutError:
+            raise TimeoutError(
+                f"Rendezvous at {master}: node 0 did not answer node {node_rank} within "
+                f"{timeout:g} s (is another node missing?)."
+            ) from None
+    if not line:
+        raise TimeoutError(
+            f"Rendezvous at {master}: node 0 ended the rendezvous without answering node "
+            f"{node_rank} (a different --nnodes, or a --node-rank given twice?); see node 0's error."
+        )
+    return json.loads(line)["nodes"]
+
+
 def _exit_code(returncode: int) -> int:
     """A process's return code as a shell reports it (128 + signal when killed)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -329,6 +436,9 @@ def launch(
     hosts: str | Sequence[tuple[str, int]] | None = None,
     node_rank: int | None = None,
     port: int = 2222,
+    nnodes: int | None = None,
+    master: str | None = None,
+    rendezvous_timeout: float = 300.0,
     max_restarts: int = 0,
     ps: int = 0,
     log_dir: str | None = None,
@@ -380,6 +490,13 @@ def launch(
         node_rank: this machine's position in ``hosts`` (required with more
             than one node).
         port: with ``hosts``, the first port of every node's workers.
+        nnodes: the number of nodes of a job whose nodes find each other
+            through ``master`` (instead of ``hosts``): each node starts
+            ``workers`` workers on free ports of ``host`` (its address the
+            others reach), and node ``node_rank`` 0 collects and shares every
+            node's addresses (see `rendezvous`).
+        master: ``host:port`` of node 0's rendezvous server (with ``nnodes``).
+        rendezvous_timeout: seconds to wait for every node (with ``nnodes``).
         max_restarts: how many times a failed job is restarted. In a
             parameter-server job (``ps``), how many times each failed worker is
             restarted alone instead (as Kubernetes' ``restartPolicy: OnFailure``);
@@ -423,12 +540,31 @@ def launch(
     if log_dir is not None and (not isinstance(log_dir, str) or not log_dir):
         raise ValueError(f"log_dir must be a directory path, got {log_dir!r}.")
     ps = check_int("ps", ps, minimum=0)
-    if hosts is None:
+    if nnodes is not None:  # nodes that find each other through node 0 (torchrun's style)
+        nnodes = check_int("nnodes", nnodes, minimum=1)
+        if hosts is not None or ps:
+            raise ValueError("nnodes= (with master=) replaces hosts=, and does not take ps=.")
+        if workers is None or master is None:
+            raise ValueError("nnodes= needs workers= (per node) and master='host:port' (node 0's address).")
+        check_int("workers", workers, minimum=1)
+        _split_address(master, "master")
+        if node_rank is None:
+            raise ValueError(f"nnodes={nnodes}: give node_rank (--node-rank), 0 .. {nnodes - 1}.")
+        node_rank = check_int("node_rank", node_rank, minimum=0, maximum=nnodes - 1)
+        check_number("rendezvous_timeout", rendezvous_timeout, positive=True)
+        mine = [_format_address(host, p) for p in free_ports(workers, host)]
+        table = rendezvous(master, nnodes, node_rank, mine, rendezvous_timeout)
+        fixed = {"worker": [a for node in table for a in node]}
+        first = sum(len(node) for node in table[:node_rank])
+        tasks = [("worker", i) for i in range(first, first + workers)]
+    elif master is not None:
+        raise ValueError("master= goes with nnodes= (the number of nodes).")
+    elif hosts is None:
         if workers is None:
             raise ValueError("Give workers=N (one machine) or hosts='h1:2,h2:2' (several).")
         check_int("workers", workers, minimum=1)
         if node_rank not in (None, 0):
-            raise ValueError(f"node_rank={node_rank!r} needs hosts= (the nodes of the job).")
+            raise ValueError(f"node_rank={node_rank!r} needs hosts= or nnodes= (the nodes of the job).")
         if ps:  # a parameter-server job: one chief (the coordinator), the workers, the ps tasks
             tasks = [("chief", 0), *(("worker", i) for i in range(workers)), *(("ps", j) for j in range(ps))]
         else:

@@ -26,6 +26,7 @@ from keras_replicator.launch import (
     k8s_manifest,
     launch,
     parse_hosts,
+    rendezvous,
     tf_config,
 )
 from tests.helpers import ROOT
@@ -378,6 +379,77 @@ def test_hosts_and_node_ranks_give_every_node_the_same_cluster(tmp_path):
         for i in indices:
             config = json.loads(lines_of(text, i)[2].removeprefix("config "))
             assert config == {"cluster": {"worker": expected}, "task": {"type": "worker", "index": i}}
+
+
+def test_nnodes_find_each_other_through_the_master(tmp_path):
+    """torchrun's style: N nodes, node 0's rendezvous server; each node picks its own free ports."""
+    (master_port,) = free_ports(1)
+    counts = {0: 2, 1: 1, 2: 1}  # workers per node (a node may have its own count)
+    outputs = {rank: io.StringIO() for rank in counts}
+    codes = {}
+
+    def node(rank):
+        codes[rank] = launch(script(tmp_path, REPORT), workers=counts[rank], nnodes=3, node_rank=rank,
+                             master=f"127.0.0.1:{master_port}", rendezvous_timeout=60, output=outputs[rank])
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (2, 1, 0)]  # node 0 last
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    configs = {}
+    for rank, indices in ((0, [0, 1]), (1, [2]), (2, [3])):
+        text = outputs[rank].getvalue()
+        assert sorted({int(m) for m in re.findall(r"^\[worker (\d)\]", text, re.MULTILINE)}) == indices
+        for i in indices:
+            configs[i] = json.loads(lines_of(text, i)[2].removeprefix("config "))
+    clusters = {json.dumps(c["cluster"]) for c in configs.values()}
+    assert len(clusters) == 1
+    workers = json.loads(clusters.pop())["worker"]
+    assert len(set(workers)) == 4 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in workers)
+    assert [configs[i]["task"] for i in range(4)] == [{"type": "worker", "index": i} for i in range(4)]
+
+
+def test_rendezvous_errors(tmp_path):
+    (port,) = free_ports(1)
+    master = f"127.0.0.1:{port}"
+    with pytest.raises(TimeoutError, match=re.escape(f"Rendezvous at {master}: node rank(s) [1] did not arrive within 1 s")):
+        rendezvous(master, 2, 0, ["127.0.0.1:1"], timeout=1)
+    with pytest.raises(TimeoutError, match=f"Rendezvous: node 1 could not reach node 0 at {master} within 1 s"):
+        rendezvous(master, 2, 1, ["127.0.0.1:1"], timeout=1)
+    assert rendezvous(master, 1, 0, ["a:1"]) == [["a:1"]]
+    # A node started with another --nnodes is refused by node 0, which names the problem.
+    errors = []
+
+    def mismatched_node():
+        try:
+            rendezvous(master, 3, 1, ["127.0.0.1:2"], timeout=10)
+        except TimeoutError as e:
+            errors.append(str(e))
+
+    other = threading.Thread(target=mismatched_node)
+    other.start()
+    with pytest.raises(ValueError, match="a node says it is rank 1 of 3, but this job has 2 nodes"):
+        rendezvous(master, 2, 0, ["127.0.0.1:1"], timeout=10)
+    other.join(timeout=30)
+    assert errors == [f"Rendezvous at {master}: node 0 ended the rendezvous without answering node 1 (a "
+                      "different --nnodes, or a --node-rank given twice?); see node 0's error."]
+    for kwargs, message in [
+        ({"nnodes": 2, "workers": 1}, "nnodes= needs workers= (per node) and master='host:port'"),
+        ({"nnodes": 2, "workers": 1, "master": "h"}, "master must be host:port, got 'h'"),
+        ({"nnodes": 2, "workers": 1, "master": "h:1"}, "nnodes=2: give node_rank (--node-rank), 0 .. 1"),
+        ({"nnodes": 2, "workers": 1, "master": "h:1", "node_rank": 2}, "node_rank must be an integer in [0, 1], got 2"),
+        ({"nnodes": 2, "hosts": "a:1", "master": "h:1"}, "nnodes= (with master=) replaces hosts="),
+        ({"workers": 1, "master": "h:1"}, "master= goes with nnodes="),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            launch(script(tmp_path, "print(1)\n"), **kwargs)
+    # From the command line, a rendezvous that does not complete is exit code 1 and a message.
+    result = _cli("launch", "--nnodes", "2", "--node-rank", "1", "--master", master, "--workers", "1",
+                  "--rendezvous-timeout", "1", script(tmp_path, "print(1)\n"))
+    assert result.returncode == 1
+    assert f"keras-replicator launch: Rendezvous: node 1 could not reach node 0 at {master}" in result.stderr
 
 
 def test_each_local_worker_gets_its_gpus(tmp_path, monkeypatch):
