@@ -13,64 +13,32 @@ Example:
     ```
 """
 
-from keras_replicator import (
-    applications,
-    callbacks,
-    cluster,
-    cross_device_ops,
-    data,
-    errors,
-    layers,
-    optimizers,
-    schedules,
-    testing,
-)
-from keras_replicator.cluster import local_devices, simulate_devices
-from keras_replicator.collectives import (
-    all_gather,
-    all_reduce,
-    broadcast,
-    num_replicas,
-    replica_id,
-)
-from keras_replicator.cross_device_ops import PackedReductionToOneDevice
-from keras_replicator.errors import (
-    ClusterConfigError,
-    ClusterStartupError,
-    DeviceConfigurationError,
-    WorkerLostError,
-)
-from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
-from keras_replicator.strategy import ReplicatorStrategy
+import os
+import sys
 
 __version__ = "0.1.0"
 
-# Sorted; the exceptions users catch most are also
-# here (the rest are in `kr.errors`), and `wrap_optimizer` is TF-Replicator's name.
-__all__ = [
-    "ClusterConfigError",
-    "ClusterStartupError",
-    "CrossReplicaOptimizer",
-    "DeviceConfigurationError",
-    "PackedReductionToOneDevice",
-    "ReplicatorStrategy",
-    "WorkerLostError",
-    "all_gather",
-    "all_reduce",
-    "applications",
-    "broadcast",
-    "callbacks",
-    "cluster",
-    "cross_device_ops",
-    "data",
-    "errors",
-    "layers",
-    "local_devices",
-    "num_replicas",
-    "optimizers",
-    "replica_id",
-    "schedules",
-    "simulate_devices",
-    "testing",
-    "wrap_optimizer",
-]
+# `keras-replicator` and `python -m keras_replicator` (the command line: launch, k8s,
+# --help) import this package first and need no TensorFlow, so there the public
+# surface is imported on first use (PEP 562). Everywhere else it is imported now, so
+# that `import keras_replicator` registers the package's Keras objects before a
+# `keras.saving.load_model`.
+_COMMAND_LINE = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == (
+    "keras-replicator"
+)
+
+if _COMMAND_LINE:
+
+    def __getattr__(name: str):
+        from keras_replicator import _api
+
+        if name in _api.__all__:
+            globals().update({n: getattr(_api, n) for n in _api.__all__})
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+else:
+    from keras_replicator import _api
+    from keras_replicator._api import *  # noqa: F403
+
+    __all__ = _api.__all__

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from keras_replicator import testing
 from keras_replicator._validation import check_bool, check_int, check_number
-from keras_replicator.collectives import all_gather
+from keras_replicator.collectives import all_gather, all_reduce
 from keras_replicator.errors import ReplicaDivergenceError
 
 __all__ = ["ReplicaConsistencyCheck", "ReplicaDivergenceError", "Throughput"]
@@ -93,7 +93,9 @@ class Throughput(_ConfigFromArguments):
     The clock runs during training steps: from this callback's
     ``on_train_batch_begin`` to its ``on_train_batch_end``, summed over the
     epoch's steps (validation and the work of callbacks listed after this one
-    are left out). The first step of each ``fit`` is left out too, as it
+    are left out). In a multi-worker job the figures are the job's, the same on
+    every worker: the examples of all workers over the longest of the workers'
+    clocks (every worker runs the callback; it takes one small collective per epoch). The first step of each ``fit`` is left out too, as it
     includes tracing (unless it is the only one). The number of examples is ``global_batch_size`` per
     step if given, else what the model's ``loss`` metric counted (exact with a
     short last batch).
@@ -134,6 +136,7 @@ class Throughput(_ConfigFromArguments):
             "global_batch_size", global_batch_size, minimum=1, optional=True
         )
         self._skip_first = True
+        self._max_fn = None  # the cross-worker max of a multi-worker job, built on first use
         self.last = None
 
     def _examples(self, steps_in_epoch: int) -> float:
@@ -149,6 +152,27 @@ class Throughput(_ConfigFromArguments):
 
     def on_train_begin(self, logs=None):
         self._skip_first = True
+
+    def _job_seconds(self, seconds: float) -> float:
+        """The longest of every worker's ``seconds`` (this worker's on one machine).
+
+        In a synchronous job a step ends on every worker together, but a worker
+        whose callbacks take longer (the chief printing progress) leaves the others
+        waiting inside their steps; each worker's clock alone would give a different
+        rate. The job's figure uses the slowest worker's time, the same everywhere.
+        """
+        strategy = self.model.distribute_strategy
+        if getattr(strategy, "num_workers", 1) <= 1:
+            return seconds
+        if self._max_fn is None:
+
+            @tf.function
+            def longest(value):
+                per_replica = strategy.run(lambda v: all_reduce(v, "max"), args=(value,))
+                return strategy.experimental_local_results(per_replica)[0]
+
+            self._max_fn = longest
+        return float(self._max_fn(tf.constant(seconds, tf.float64)))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._done = (0, 0.0)  # steps and examples done this epoch
@@ -177,6 +201,7 @@ class Throughput(_ConfigFromArguments):
             seconds, steps, examples = self._first
         else:
             return
+        seconds = self._job_seconds(seconds)
         if seconds <= 0 or steps <= 0 or examples <= 0:
             return
         rate = examples / seconds

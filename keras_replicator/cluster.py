@@ -10,6 +10,7 @@ before any worker waits for another.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -36,6 +37,10 @@ def simulate_devices(n: int) -> list[str]:
     runtime (building a tensor, a model, a strategy, or listing logical devices).
     Calling it again with the same ``n`` is harmless.
 
+    Under ``keras-replicator launch --devices-per-worker K`` the launcher's ``K``
+    wins: a call with another ``n`` simulates ``K`` devices and logs one warning
+    saying so, so the same script runs alone and under the launcher.
+
     Example:
         ```python
         import keras_replicator as kr
@@ -55,6 +60,18 @@ def simulate_devices(n: int) -> list[str]:
             different number of CPU devices.
     """
     n = check_int("n", n, minimum=1)
+    launcher = _devices_per_worker_from_env()
+    if launcher is not None and launcher != n:
+        logging.getLogger(__name__).warning(
+            "keras_replicator: simulate_devices(%d) ignored: the launcher's --devices-per-worker "
+            "(%s=%d) applies, so this worker simulates %d CPU devices.",
+            n, DEVICES_PER_WORKER_ENV, launcher, launcher,
+        )
+        n = launcher
+    return _simulate(n)
+
+
+def _simulate(n: int) -> list[str]:
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if tensorflow_initialized():
@@ -413,6 +430,15 @@ def task_names(cluster_spec: tf.train.ClusterSpec) -> dict[str, str]:
     return names
 
 
+def _devices_per_worker_from_env() -> int | None:
+    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
+    return int(value)
+
+
 def simulate_devices_from_env() -> int | None:
     """Applies ``KERAS_REPLICATOR_DEVICES_PER_WORKER`` (set by the launcher), if set.
 
@@ -431,15 +457,13 @@ def simulate_devices_from_env() -> int | None:
     Returns:
         The number of devices simulated, or ``None`` when the variable is unset.
     """
-    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
-    if not value:
+    value = _devices_per_worker_from_env()
+    if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
     try:
-        simulate_devices(int(value))
+        _simulate(value)
     except DeviceConfigurationError as e:
         raise DeviceConfigurationError(
             f"{DEVICES_PER_WORKER_ENV}={value} asks for {value} CPU devices per worker, but {e}"
         ) from None
-    return int(value)
+    return value

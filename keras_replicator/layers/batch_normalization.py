@@ -165,7 +165,7 @@ def _gather_rows(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
     One all-reduce: each replica contributes its own row and zeros elsewhere,
     and ``x + 0`` is exact (a TensorFlow all-gather would take two collectives).
     """
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     rid = collectives.replica_id()
     padding = [[rid, num_replicas - 1 - rid]] + [[0, 0]] * local.shape.rank
     gathered = collectives.all_reduce(tf.pad(local[tf.newaxis], padding))
@@ -175,7 +175,7 @@ def _gather_rows(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
 
 def _group_sum(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
     """Sum of ``local`` over this replica's group (all replicas without groups)."""
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     if num_replicas == 1:
         return local
     if group_size is None or group_size == num_replicas:
@@ -196,7 +196,7 @@ def _group_statistics(
     without groups). Every replica computes the last two from the same
     numbers in the same order, so they are bit-identical across replicas.
     """
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     if num_replicas == 1:
         # max(0, .): rounding can take M2 of a constant channel a hair below 0.
         variance = tf.maximum(tf.math.divide_no_nan(m2, count), 0.0)
