@@ -35,6 +35,12 @@ def test_index_ten_lines_run_as_shown():
     assert "loss" in result.stdout
 
 
+def test_multi_worker_guide_fragments_run_alone():
+    result = run_markdown_example("docs/multi_worker.md", 1)
+    assert result.stdout.split()[-2:] == ["1", "True"]  # no cluster here: one machine
+    run_markdown_example("docs/multi_worker.md", 2)
+
+
 def test_contributing_and_optimizer_pieces_snippets():
     run_markdown_example("docs/contributing.md", 0)
     result = run_markdown_example("docs/optimizers.md", 2)
@@ -57,7 +63,8 @@ RUN_ELSEWHERE = {
 }
 RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),
-    ("docs/contributing.md", 0), ("docs/optimizers.md", 2),
+    ("docs/contributing.md", 0), ("docs/optimizers.md", 2), ("docs/multi_worker.md", 1),
+    ("docs/multi_worker.md", 2),
 }
 
 

@@ -245,9 +245,7 @@ def test_missing_worker_fails_strategy_creation_within_startup_timeout(tmp_path)
 def test_guide_example_runs_through_the_launcher(tmp_path):
     from tests.helpers import python_blocks
 
-    blocks = python_blocks("docs/multi_worker.md")
-    for i, block in enumerate(blocks[1:], start=1):
-        compile(block, f"multi_worker.md block {i}", "exec")  # fragments: they must at least parse
+    blocks = python_blocks("docs/multi_worker.md")  # the others run in test_docs_examples.py
     (tmp_path / "train.py").write_text(blocks[0])
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--devices-per-worker", "2",
                "--timeout", str(LAUNCH_TIMEOUT), "train.py"]
