@@ -13,7 +13,8 @@ Example:
     ```
 """
 
-from keras_replicator import applications, callbacks, cluster, data, layers, optimizers, testing
+from keras_replicator import applications, callbacks, cluster, data, errors, layers, optimizers, testing
+from keras_replicator.async_strategy import AsyncReplicatorStrategy
 from keras_replicator.cluster import (
     ClusterConfigError,
     ClusterStartupError,
@@ -35,6 +36,7 @@ from keras_replicator.strategy import ReplicatorStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncReplicatorStrategy",
     "ClusterConfigError",
     "ClusterStartupError",
     "CrossReplicaOptimizer",
@@ -47,6 +49,7 @@ __all__ = [
     "callbacks",
     "cluster",
     "data",
+    "errors",
     "layers",
     "local_devices",
     "num_replicas",
