@@ -13,7 +13,16 @@ Example:
     ```
 """
 
-from keras_replicator import applications, callbacks, cluster, data, errors, layers, optimizers, testing
+from keras_replicator import (
+    applications,
+    callbacks,
+    cluster,
+    data,
+    errors,
+    layers,
+    optimizers,
+    testing,
+)
 from keras_replicator.async_strategy import AsyncReplicatorStrategy
 from keras_replicator.cluster import (
     ClusterConfigError,

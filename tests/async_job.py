@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_replicator as kr  # noqa: E402
 
-VOCAB, EMBED = 1000, 16
+VOCAB, EMBED = 50, 16
 NUM_EXAMPLES = 512
 
 
@@ -40,9 +40,24 @@ def data(n: int = NUM_EXAMPLES, seed: int = 0):
     return tokens, y
 
 
+@keras.saving.register_keras_serializable(package="keras_replicator_tests")
+class CountingModel(keras.Sequential):
+    """Counts the training steps each worker ran, in a variable on a parameter server."""
+
+    def count_steps(self, num_workers: int) -> None:
+        self.steps_by_worker = keras.Variable(np.zeros(num_workers, "float32"), trainable=False)
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        if hasattr(self, "steps_by_worker"):
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            self.steps_by_worker.assign_add(tf.one_hot(worker, self.steps_by_worker.shape[0]))
+        return logs
+
+
 def build_model() -> keras.Model:
     keras.utils.set_random_seed(1)
-    return keras.Sequential(
+    return CountingModel(
         [
             keras.Input((2,), dtype="int32"),
             keras.layers.Embedding(VOCAB, EMBED),
@@ -82,7 +97,7 @@ def fit_mode(strategy, out: str) -> dict:
     x, y = data()
     with strategy.scope():
         model = build_model()
-        model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"], steps_per_execution=2)
+        model.compile(keras.optimizers.SGD(0.3), "mse", metrics=["mae"], steps_per_execution=2)
     report = {"devices": [w.value.device for w in model.weights]}
     before = model.evaluate(x, y, batch_size=64, verbose=0)
     train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
@@ -132,7 +147,12 @@ def fit_mode(strategy, out: str) -> dict:
     report["reloaded_matches"] = all(
         np.array_equal(a, np.asarray(b)) for a, b in zip(weights, reloaded.get_weights())
     )
-    np.savez(os.path.join(out, "chief.npz"), predictions=predictions, *weights)
+    np.savez(os.path.join(out, "chief.npz"), *weights, predictions=predictions)
+    # One more epoch without validation (which would reset the metrics): its metric state,
+    # on the parameter servers, is what the history reports.
+    more = model.fit(train, epochs=1, steps_per_epoch=5, verbose=0)
+    report["more_loss"] = more.history["loss"]
+    report["metric_state"] = {v.path: float(v.numpy()) for v in model.metrics_variables}
     return report
 
 
@@ -140,15 +160,20 @@ def faults_mode(strategy, out: str) -> dict:
     x, y = data()
     with strategy.scope():
         model = build_model()
-        model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+        model.count_steps(strategy.num_workers)
+        model.compile(keras.optimizers.SGD(0.3), "mse", steps_per_execution=2)
     train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
     progress = Progress(sleep_per_batch=float(os.environ.get("KR_TEST_SLEEP_PER_BATCH", "0.05")))
+    counts: list = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: counts.append(model.steps_by_worker.numpy().tolist())
+    )
     epochs = int(os.environ.get("KR_TEST_EPOCHS", "6"))
-    report: dict = {"epochs_run": progress.epochs}
+    report: dict = {"epochs_run": progress.epochs, "steps_by_worker": counts}
     try:
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=40, verbose=0,
-            callbacks=[progress, keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))],
+            callbacks=[progress, record, keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))],
         )
     except kr.errors.ParameterServerLostError as e:
         report.update(error=str(e), lost=e.lost_parameter_servers, failed_at=time.time())

@@ -128,3 +128,150 @@ def start_job(tmp_path):
     yield start
     for j in jobs:
         j.stop()
+
+
+# --- bad cluster descriptions: clear errors before any work --------------------------
+
+CHIEF_WORKER_PS = {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221", "127.0.0.1:2222"], "ps": ["127.0.0.1:2223"]}
+
+
+def test_the_async_cluster_is_read_from_tf_config():
+    resolver = cluster.tf_config_cluster(async_tf_config(CHIEF_WORKER_PS, "ps", 0), parameter_servers=True)
+    assert (resolver.task_type, resolver.task_id) == ("ps", 0)
+    assert resolver.cluster_spec().as_dict() == CHIEF_WORKER_PS
+
+
+@pytest.mark.parametrize(
+    "cluster_spec, task, message",
+    [
+        ({**CHIEF_WORKER_PS, "evaluator": ["127.0.0.1:2224"]}, ("chief", 0), "job 'evaluator' is not supported by AsyncReplicatorStrategy"),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "ps"}, ("chief", 0), 'needs at least one "ps" (parameter server'),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "chief"}, ("worker", 0), 'needs one "chief"'),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "worker"}, ("chief", 0), 'needs at least one "worker"'),
+        (CHIEF_WORKER_PS, ("trainer", 0), "this task's type 'trainer' is not a job of the cluster"),
+        (CHIEF_WORKER_PS, ("ps", 1), "must be an integer in [0, 1) for job 'ps'"),
+    ],
+)
+def test_a_bad_async_cluster_is_named(monkeypatch, cluster_spec, task, message):
+    text = async_tf_config(cluster_spec, *task)
+    with pytest.raises(kr.ClusterConfigError, match=re.escape(message)):
+        cluster.tf_config_cluster(text, parameter_servers=True)
+    monkeypatch.setenv("TF_CONFIG", text)
+    with pytest.raises(kr.ClusterConfigError, match=re.escape(message)):
+        kr.AsyncReplicatorStrategy()
+
+
+def test_async_strategy_without_a_cluster_or_arguments_out_of_range(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(kr.ClusterConfigError, match="needs a cluster of one chief, workers and parameter servers"):
+        kr.AsyncReplicatorStrategy()
+    with pytest.raises(ValueError, match="failure_timeout must be a positive number"):
+        kr.AsyncReplicatorStrategy(failure_timeout=0)
+    with pytest.raises(TypeError, match="variable_partitioner must be"):
+        kr.AsyncReplicatorStrategy(variable_partitioner=3)
+
+
+def test_slurm_tasks_become_chief_ps_and_workers():
+    env = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_JOB_ID": "7", "KERAS_REPLICATOR_SLURM_NUM_PS": "1"}
+    resolver = cluster.slurm_cluster(env, num_ps=None)
+    assert (resolver.task_type, resolver.task_id) == ("worker", 0)
+    assert resolver.cluster_spec().as_dict() == {
+        "chief": ["n1:12224"], "ps": ["n2:12224"], "worker": ["n3:12224", "n4:12224"]}
+    with pytest.raises(kr.ClusterConfigError, match="cannot hold a chief, 3 parameter server"):
+        cluster.slurm_cluster(env, num_ps=3)
+
+
+def test_the_sync_strategy_points_to_the_async_one_for_ps_tasks():
+    with pytest.raises(kr.ClusterConfigError, match="use kr.AsyncReplicatorStrategy"):
+        cluster.tf_config_cluster(async_tf_config(CHIEF_WORKER_PS, "chief", 0))
+
+
+# --- jobs on local processes ----------------------------------------------------------
+
+
+def test_fit_evaluate_predict_and_save(start_job):
+    j = start_job("fit", workers=2, ps=2)
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # Workers and parameter servers end by themselves, with status 0, once the chief is done.
+    for task in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)):
+        assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]
+        assert "ended the job" in j.output(*task)
+    # Variables on both parameter servers (round-robin).
+    assert {d.split("/device")[0] for d in report["devices"]} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+    # Every requested step ran, exactly once (15 a epoch, 2 per execution: 7 closures of 2 and 1 of 1).
+    assert report["iterations"] == 3 * 15
+    assert report["batches"] == [1, 3, 5, 7, 9, 11, 13, 14] * 3
+    # The epoch's loss is the aggregate of every worker's steps: its count is every example.
+    state = report["metric_state"]
+    assert state["loss/count"] == 5 * 16 and state["mean_absolute_error/count"] == 5 * 16
+    assert report["more_loss"][0] == pytest.approx(state["loss/total"] / state["loss/count"], rel=1e-5)
+    # It learns: training and validation (on the chief) losses fall.
+    loss, val_loss = report["history"]["loss"], report["history"]["val_loss"]
+    assert loss[-1] < 0.3 * loss[0] and val_loss[-1] < 0.3 * val_loss[0]
+    before_loss, after_loss = report["before"][0], report["evaluation"][0]
+    assert after_loss < 0.1 * before_loss
+    # evaluate and predict on the chief equal Keras on the saved weights, here.
+    with np.load(j.out / "chief.npz") as arrays:
+        predictions = arrays["predictions"]
+        weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
+    model = job.build_model()
+    model.set_weights(weights)
+    model.compile("sgd", "mse", metrics=["mae"])
+    x, y = job.data()
+    np.testing.assert_allclose(predictions, model.predict(x, batch_size=64, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(report["evaluation"], model.evaluate(x, y, batch_size=64, verbose=0), rtol=1e-5)
+    # .keras file: loads outside the cluster and back into the cluster's variables.
+    assert report["restored_matches"] and report["restored_predictions_match"] and report["reloaded_matches"]
+    np.testing.assert_allclose(keras.models.load_model(j.out / "model.keras").predict(x, verbose=0), predictions, atol=1e-5)
+    # BackupAndRestore wrote its backup on the chief.
+    assert any((j.out / "backup").iterdir())
+    # Bad inputs: each a clear error.
+    errors = report["errors"]
+    assert errors["no_steps"].startswith("ValueError: fit needs steps_per_epoch")
+    assert errors["arrays"].startswith("TypeError: With AsyncReplicatorStrategy, fit trains on the workers")
+    assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ValueError")
+    assert "no per_replica_batch_size was given" in errors["unbatched"]
+    assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
+
+
+def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
+    j = start_job("faults", workers=2, ps=1, KR_TEST_EPOCHS="5")
+    j.wait_for("epoch 1 done", timeout=240)
+    j.kill("worker", 1)
+    time.sleep(2)
+    j.start("worker", 1)  # as Kubernetes (restartPolicy: OnFailure) or the launcher would
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # Every requested step ran; a step cut short by the kill may have run twice (at least once).
+    assert 5 * 40 <= report["iterations"] <= 5 * 40 + 2
+    assert report["epochs_run"] == [0, 1, 2, 3, 4]
+    loss = report["history"]["loss"]
+    assert loss[-1] < 0.3 * loss[0], loss
+    # The restarted worker rejoined: it ran steps in the epochs after the kill.
+    counts = np.array(report["steps_by_worker"])
+    assert counts[-1].sum() >= 5 * 40
+    assert counts[-1][1] - counts[2][1] > 0, counts
+    assert j.wait("worker", 1, timeout=60) == 0
+
+
+def test_a_killed_parameter_server_stops_the_job_clearly_and_a_restart_resumes(start_job, tmp_path):
+    j = start_job("faults", workers=1, ps=1, KR_TEST_EPOCHS="4", KR_TEST_FAILURE_TIMEOUT="5")
+    j.wait_for("epoch 1 done", timeout=240)
+    j.kill("ps", 0)
+    killed = time.time()
+    assert j.wait(timeout=120) == 3, j.output("chief", 0)[-5000:]
+    report = j.report()
+    assert report["lost"] == [f"ps 0 (/job:ps/task:0 at {j.cluster['ps'][0]})"]
+    assert "Lost ps 0" in report["error"] and "BackupAndRestore" in report["error"]
+    assert report["failed_at"] - killed < 60
+    j.stop()
+    # The whole job restarts (same cluster, same backup directory) and resumes after epoch 1.
+    (j.out / "chief.json").unlink()
+    j.start_all()
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    resumed = j.report()
+    assert resumed["epochs_run"][0] >= 2 and resumed["epochs_run"][-1] == 3
+    assert resumed["history"]["loss"][-1] < 0.1
