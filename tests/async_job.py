@@ -76,9 +76,10 @@ def dataset_fn(input_context):
 class Progress(keras.callbacks.Callback):
     """Prints each epoch's end (the tests wait for it) and records what callbacks saw."""
 
-    def __init__(self, sleep_per_batch: float = 0.0):
+    def __init__(self, sleep_per_batch: float = 0.0, hold_at_epoch: int | None = None, release: str = ""):
         super().__init__()
         self.sleep_per_batch = sleep_per_batch
+        self.hold_at_epoch, self.release = hold_at_epoch, release
         self.batches: list[int] = []
         self.epochs: list[int] = []
 
@@ -91,6 +92,11 @@ class Progress(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         print(f"epoch {epoch} done loss={logs['loss']:.5f}", flush=True)
+        if epoch == self.hold_at_epoch:
+            # The test kills and restarts a task meanwhile, then creates the release file.
+            deadline = time.time() + 180
+            while not os.path.exists(self.release) and time.time() < deadline:
+                time.sleep(0.1)
 
 
 def fit_mode(strategy, out: str) -> dict:
@@ -163,7 +169,12 @@ def faults_mode(strategy, out: str) -> dict:
         model.count_steps(strategy.num_workers)
         model.compile(keras.optimizers.SGD(0.3), "mse", steps_per_execution=2)
     train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
-    progress = Progress(sleep_per_batch=float(os.environ.get("KR_TEST_SLEEP_PER_BATCH", "0.05")))
+    hold = os.environ.get("KR_TEST_HOLD_AT_EPOCH")
+    progress = Progress(
+        sleep_per_batch=float(os.environ.get("KR_TEST_SLEEP_PER_BATCH", "0.05")),
+        hold_at_epoch=int(hold) if hold else None,
+        release=os.path.join(out, "release"),
+    )
     counts: list = []
     record = keras.callbacks.LambdaCallback(
         on_epoch_end=lambda epoch, logs: counts.append(model.steps_by_worker.numpy().tolist())
