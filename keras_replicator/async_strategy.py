@@ -214,6 +214,8 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         super().__init__(resolver, variable_partitioner=variable_partitioner)
         self._kr_coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         _ps_compat.install_keras_dispatch()
+        if variable_partitioner is not None:
+            _ps_compat.install_sharded_variable_reads()
 
     def _wait_for_tasks(self, spec: tf.train.ClusterSpec, timeout: float) -> None:
         """Waits until every worker and parameter server listens; names those that do not."""

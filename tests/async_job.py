@@ -162,6 +162,44 @@ def fit_mode(strategy, out: str) -> dict:
     return report
 
 
+def partition_mode(strategy, out: str) -> dict:
+    """A large embedding split over both parameter servers: saved and loaded whole."""
+    x, y = data()
+    with strategy.scope():
+        model = build_model()
+        model.compile(keras.optimizers.SGD(0.3), "mse")
+    embedding = model.layers[0].embeddings
+    report = {"shards": [[v.device, list(v.shape)] for v in embedding.value.variables]}
+    train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
+    try:
+        model.fit(train, epochs=1, steps_per_epoch=2, verbose=0)
+        report["trainable_fit"] = "no error"
+    except NotImplementedError as e:
+        report["trainable_fit"] = str(e)
+    model.layers[0].trainable = False  # a frozen (e.g. pretrained) embedding trains the rest
+    model.compile(keras.optimizers.SGD(0.3), "mse")
+    report["history"] = model.fit(train, epochs=2, steps_per_epoch=10, verbose=0).history
+    predictions = model.predict(x, batch_size=64, verbose=0)
+    path = os.path.join(out, "model.keras")
+    model.save(path)
+    restored = keras.models.load_model(path)
+    report["restored_embedding_shape"] = list(restored.layers[0].embeddings.shape)
+    report["restored_matches"] = all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(model.get_weights(), restored.get_weights())
+    )
+    report["restored_predictions_match"] = bool(
+        np.allclose(restored.predict(x, batch_size=64, verbose=0), predictions, atol=1e-6)
+    )
+    with strategy.scope():
+        reloaded = build_model()
+    reloaded.load_weights(path)
+    report["reloaded_sharded"] = len(reloaded.layers[0].embeddings.value.variables)
+    report["reloaded_matches"] = all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(model.get_weights(), reloaded.get_weights())
+    )
+    return report
+
+
 def faults_mode(strategy, out: str) -> dict:
     x, y = data()
     with strategy.scope():
@@ -199,13 +237,17 @@ def faults_mode(strategy, out: str) -> dict:
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    partitioner = None
+    if mode == "partition":  # the 3200-byte embedding in 2 shards; the 2048-byte kernel whole
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=2100, max_shards=2)
     strategy = kr.AsyncReplicatorStrategy(
+        variable_partitioner=partitioner,
         failure_timeout=float(os.environ.get("KR_TEST_FAILURE_TIMEOUT", "5")),
         shutdown_grace=2.0,
         startup_timeout=120,
     )
     started = time.time()
-    report = {"fit": fit_mode, "faults": faults_mode}[mode](strategy, out)
+    report = {"fit": fit_mode, "faults": faults_mode, "partition": partition_mode}[mode](strategy, out)
     report["seconds"] = time.time() - started
     report["num_workers"], report["num_ps"] = strategy.num_workers, strategy.num_ps
     with open(os.path.join(out, "chief.json"), "w") as f:

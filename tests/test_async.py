@@ -284,3 +284,23 @@ def test_a_killed_parameter_server_stops_the_job_clearly_and_a_restart_resumes(s
     resumed = j.report()
     assert resumed["epochs_run"][0] >= 2 and resumed["epochs_run"][-1] == 3
     assert resumed["history"]["loss"][-1] < 0.1
+
+
+def test_a_partitioned_embedding_is_saved_and_loaded_whole(start_job):
+    j = start_job("partition", workers=1, ps=2)
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # MinSizePartitioner split the 50 x 16 embedding in two, one shard on each parameter server.
+    assert report["shards"] == [
+        ["/job:ps/replica:0/task:0/device:CPU:0", [25, 16]],
+        ["/job:ps/replica:0/task:1/device:CPU:0", [25, 16]],
+    ]
+    # Training a partitioned variable is refused before any step, saying what to do.
+    assert "partitioned over several parameter servers" in report["trainable_fit"]
+    assert "['counting_model/embedding/embeddings']" in report["trainable_fit"]
+    # Frozen, it serves the rest of the model; .keras holds the whole tensor, which loads
+    # outside the cluster and back into two shards.
+    assert len(report["history"]["loss"]) == 2
+    assert report["restored_embedding_shape"] == [job.VOCAB, job.EMBED]
+    assert report["restored_matches"] and report["restored_predictions_match"]
+    assert report["reloaded_sharded"] == 2 and report["reloaded_matches"]

@@ -254,6 +254,7 @@ def fit(
             # Creates the metrics', loss trackers' and optimizer's variables on the
             # parameter servers from the element spec (Trainer._symbolic_build, Keras 3.15).
             model._symbolic_build(data_batch=x.element_spec)
+        _refuse_partitioned_training(model)
         train_function = _train_function(model, strategy)
         iterator = x._iterator()
         per_execution = int(model.steps_per_execution)
@@ -318,6 +319,29 @@ def fit(
             model.optimizer.finalize_variable_values(model.trainable_weights)
         callbacks.on_train_end(logs=training_logs)
         return model.history
+
+
+def _refuse_partitioned_training(model) -> None:
+    """Trainable variables split by a variable_partitioner cannot be trained by Keras 3 yet.
+
+    What: `tf.__internal__.distribute.ShardedVariable` (TF 2.21), what a
+    partitioner makes. Why: Keras 3.15's TensorFlow `Variable.handle` returns
+    `self.value.handle`, which a `ShardedVariable` (several variables, one per
+    parameter server) has not, so `GradientTape.gradient` fails on it with an
+    AttributeError deep in the step; this says so before any step.
+    """
+    sharded = [
+        v.path
+        for v in model.trainable_variables
+        if isinstance(getattr(v, "value", v), tf.__internal__.distribute.ShardedVariable)
+    ]
+    if sharded:
+        raise NotImplementedError(
+            f"The trainable variable(s) {sharded} are partitioned over several parameter servers "
+            "(variable_partitioner), and Keras 3 cannot compute their gradients yet (its variables "
+            "expect one handle). Use variable_partitioner=None (every variable whole, on the "
+            "parameter servers in turn), or keep partitioned variables non-trainable."
+        )
 
 
 def _unpack(data):
@@ -398,6 +422,42 @@ def train_on_batch(model, *args, **kwargs):
         "train_on_batch is not supported with AsyncReplicatorStrategy: training steps run on the "
         "workers, scheduled by fit(strategy.distribute_dataset(...), steps_per_epoch=...)."
     )
+
+
+def install_sharded_variable_reads() -> None:
+    """Keras variables split by a `variable_partitioner` read as whole NumPy arrays.
+
+    What: `__array__` and `numpy` of Keras's TensorFlow `Variable`
+    (keras.src.backend.tensorflow.core.Variable, Keras 3.15), for a value that is
+    a `tf.__internal__.distribute.ShardedVariable` (TF 2.21) only. Why: Keras
+    reads `self.value.__array__()`, which a `ShardedVariable` lacks, so
+    `model.save`, `get_weights` and `BackupAndRestore` fail on a partitioned
+    variable; `tf.convert_to_tensor` of a `ShardedVariable` is the whole tensor
+    (its shards concatenated). Permanent (saving happens anywhere) but inert for
+    every other variable. Assigning a whole value (loading) already works: a
+    `ShardedVariable` splits it. Idempotent.
+    """
+    from keras.src.backend.tensorflow import core
+
+    cls = core.Variable
+    if getattr(cls.numpy, "_keras_replicator_sharded", False):
+        return
+    original_array, original_numpy = cls.__array__, cls.numpy
+    sharded = tf.__internal__.distribute.ShardedVariable
+
+    def __array__(self, dtype=None, *args, **kwargs):
+        if isinstance(getattr(self, "_value", None), sharded):
+            value = tf.convert_to_tensor(self._value).numpy()
+            return value if dtype is None else value.astype(dtype)
+        return original_array(self, dtype, *args, **kwargs)
+
+    def numpy(self):
+        if isinstance(getattr(self, "_value", None), sharded):
+            return tf.convert_to_tensor(self._value).numpy()
+        return original_numpy(self)
+
+    numpy._keras_replicator_sharded = True
+    cls.__array__, cls.numpy = __array__, numpy
 
 
 def install_keras_dispatch() -> None:
