@@ -222,7 +222,8 @@ def faults_mode(strategy, out: str) -> dict:
     try:
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=40, verbose=0,
-            callbacks=[progress, record, keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))],
+            # Progress last: when it prints "epoch E done", the backup of epoch E is written.
+            callbacks=[record, keras.callbacks.BackupAndRestore(os.path.join(out, "backup")), progress],
         )
     except kr.errors.ParameterServerLostError as e:
         report.update(error=str(e), lost=e.lost_parameter_servers, failed_at=time.time())
