@@ -15,7 +15,7 @@ Every process runs on 127.0.0.1 and is killed at the end.
 
 Usage::
 
-    python benchmarks/async_throughput.py [--steps 300] [--json OUT.json]
+    python benchmarks/async_throughput.py [--steps 300] [--period 0.05] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _straggle(pid: int, stop: threading.Event, period: float = 0.05) -> None:
         pass
 
 
-def run(regime: str, steps: int, straggler: bool) -> dict:
+def run(regime: str, steps: int, straggler: bool, period: float = 0.05) -> dict:
     from keras_replicator.launch import free_ports
 
     if regime == "async":
@@ -140,7 +140,7 @@ def run(regime: str, steps: int, straggler: bool) -> dict:
                 start_new_session=True,
             )
         if straggler:
-            threading.Thread(target=_straggle, args=(processes[slow].pid, stop), daemon=True).start()
+            threading.Thread(target=_straggle, args=(processes[slow].pid, stop, period), daemon=True).start()
         code = processes[main].wait(timeout=900)
         if code != 0:
             raise RuntimeError(f"{regime}: {main} failed:\n{processes[main].stderr.read().decode()[-3000:]}")
@@ -162,6 +162,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json")
+    parser.add_argument("--period", type=float, default=0.05,
+                        help="the straggler is stopped, then runs, for this many seconds in turn")
     parser.add_argument("--task", choices=["async", "sync"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,7 +173,7 @@ def main() -> None:
     results = {}
     for regime in ("sync", "async"):
         for straggler in (False, True):
-            r = run(regime, args.steps, straggler)
+            r = run(regime, args.steps, straggler, args.period)
             key = f"{regime}{'_straggler' if straggler else ''}"
             results[key] = r
             print(f"{key:16s} {r['examples_per_second']:9.0f} examples/s ({r['examples']} in {r['seconds']:.1f} s)",

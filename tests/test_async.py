@@ -26,7 +26,7 @@ import keras_replicator as kr
 from keras_replicator import cluster
 from keras_replicator.launch import free_ports
 from tests import async_job as job
-from tests.helpers import ROOT
+from tests.helpers import ROOT, python_blocks
 
 JOB = os.path.join(ROOT, "tests", "async_job.py")
 
@@ -46,12 +46,12 @@ def async_tf_config(cluster_spec: dict, task_type: str, index: int) -> str:
 class Job:
     """A chief, ``workers`` workers and ``ps`` parameter servers of tests/async_job.py."""
 
-    def __init__(self, tmp_path, mode: str, workers: int = 2, ps: int = 2, **env):
+    def __init__(self, tmp_path, mode: str, workers: int = 2, ps: int = 2, script: str = JOB, **env):
         self.out = tmp_path / "out"
         self.logs = tmp_path / "logs"
         self.out.mkdir(exist_ok=True)
         self.logs.mkdir(exist_ok=True)
-        self.mode, self.env = mode, _env(**env)
+        self.mode, self.script, self.env = mode, script, _env(**env)
         ports = free_ports(1 + workers + ps)
         address = [f"127.0.0.1:{p}" for p in ports]
         self.cluster = {"chief": address[:1], "worker": address[1 : 1 + workers], "ps": address[1 + workers :]}
@@ -63,8 +63,8 @@ class Job:
         log = open(self.logs / f"{task_type}{index}.{self.starts}.log", "w")
         env = dict(self.env, TF_CONFIG=async_tf_config(self.cluster, task_type, index))
         self.processes[(task_type, index)] = subprocess.Popen(
-            [sys.executable, JOB, self.mode, str(self.out)], env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, self.script, self.mode, str(self.out)], env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out,
         )
         log.close()
 
@@ -304,3 +304,17 @@ def test_a_partitioned_embedding_is_saved_and_loaded_whole(start_job):
     assert report["restored_embedding_shape"] == [job.VOCAB, job.EMBED]
     assert report["restored_matches"] and report["restored_predictions_match"]
     assert report["reloaded_sharded"] == 2 and report["reloaded_matches"]
+
+
+def test_the_guide_script_runs_as_written(start_job, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(python_blocks("docs/async.md")[0] + "\nprint('history', model.history.history)\n")
+    j = start_job("guide", workers=2, ps=1, script=str(script))
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    for task in (("worker", 0), ("worker", 1), ("ps", 0)):
+        assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]
+    output = j.output("chief", 0)
+    loss, mae = (float(v) for v in re.findall(r"^\[([0-9.e-]+), ([0-9.e-]+)\]$", output, flags=re.M)[-1])
+    assert mae < 0.5, output[-3000:]  # y = sum of 8 unit normals: std 2.8
+    # The chief saved the model; BackupAndRestore removed its backup when training ended.
+    assert (j.out / "model.keras").exists() and not (j.out / "backup").exists()
