@@ -374,8 +374,6 @@ def _on_chief(model, strategy, what: str):
     there.
     """
     _check_outside_scope(strategy, what)
-    if getattr(model.test_function, "_keras_replicator_async", None) is not None:
-        model.test_function = None
     model._distribute_strategy = None
     try:
         with _parameter_server_errors(strategy):
