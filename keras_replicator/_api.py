@@ -12,6 +12,7 @@ from keras_replicator import (
     schedules,
     testing,
 )
+from keras_replicator.async_strategy import AsyncReplicatorStrategy
 from keras_replicator.cluster import local_devices, simulate_devices
 from keras_replicator.collectives import (
     all_gather,
@@ -34,6 +35,7 @@ from keras_replicator.strategy import ReplicatorStrategy
 # Sorted; the exceptions users catch most are also here (the rest are in `kr.errors`),
 # and `wrap_optimizer` is TF-Replicator's name for `CrossReplicaOptimizer`.
 __all__ = [
+    "AsyncReplicatorStrategy",
     "ClusterConfigError",
     "ClusterStartupError",
     "CrossReplicaOptimizer",

@@ -85,7 +85,8 @@ def test_no_private_attributes_of_tensorflow_or_keras_objects_outside_compat():
     assert not offenders, "private attributes of TensorFlow/Keras objects belong in _compat:\n" + "\n".join(offenders)
 
 
-_OWN_MODULES = {"cluster", "data", "collectives", "strategy", "layers", "optimizers", "callbacks"}
+# Our own modules (their private helpers), and the standard library's `os._exit`.
+_OWN_MODULES = {"cluster", "data", "collectives", "strategy", "layers", "optimizers", "callbacks", "os"}
 
 
 def test_the_suite_runner_reads_device_counts_from_the_marks():

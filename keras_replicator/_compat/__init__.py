@@ -2,7 +2,7 @@
 
 Nothing outside this package imports `tensorflow.python`, `keras.src` or reads a
 private attribute of a TensorFlow or Keras object. A TensorFlow or Keras upgrade
-is checked here: `tests/test_compat.py` fails, naming the module, when an
+is checked here: `tests/test_structure.py` fails, naming the module, when an
 installed version is outside the range a module was checked on.
 
 | module | what it touches | how | checked on |
@@ -16,6 +16,7 @@ installed version is outside the range a module was checked on.
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
+| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; permanent check | Keras 3.15 |
 
 Scoped patches are applied while any keras_replicator strategy's `scope()` is
@@ -43,6 +44,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_checkpointing": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
+    "parameter_server": ("keras", "3.15", "3.15"),
 }
 
 

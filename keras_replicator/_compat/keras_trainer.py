@@ -7,7 +7,8 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   `call()` (keras-io's GAN style), as Keras does without a strategy;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
-* `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that,
+* `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
+  hands a model built under `AsyncReplicatorStrategy` to `parameter_server`, and else,
   before any work, catches a model built outside the strategy's scope (an
   error when its data was distributed by one of our strategies, a warning when
   such a strategy exists), refuses infinite `validation_data` without
@@ -255,6 +256,11 @@ def _empty_replica_error(strategy, error: Exception) -> ValueError | None:
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
 
+# Keras's own entry points, as they were before the wrapper (parameter_server runs them
+# on the chief for evaluate and predict).
+ORIGINALS: dict = {}
+
+
 def _patch_entry_points() -> None:
     """One wrapper around each of the trainer's entry points (see the module docstring)."""
     cls = tf_trainer.TensorFlowTrainer
@@ -262,11 +268,17 @@ def _patch_entry_points() -> None:
         return
 
     def wrap(name, method):
+        ORIGINALS[name] = method
+
         @_patched
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
-            _check_scope(self, name, args, kwargs)
             strategy = getattr(self, "_distribute_strategy", None)
+            if getattr(strategy, "_keras_replicator_async", False):
+                from keras_replicator._compat import parameter_server
+
+                return parameter_server.ENTRY_POINTS[name](self, *args, **kwargs)
+            _check_scope(self, name, args, kwargs)
             if not ours(strategy):
                 return method(self, *args, **kwargs)
             if name == "fit":
