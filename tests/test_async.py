@@ -307,15 +307,21 @@ def test_a_partitioned_embedding_is_saved_and_loaded_whole(start_job):
     assert report["reloaded_sharded"] == 2 and report["reloaded_matches"]
 
 
-def test_the_guide_script_runs_as_written(start_job, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(python_blocks("docs/async.md")[0] + "\nprint('history', model.history.history)\n")
-    j = start_job("guide", workers=2, ps=1, script=str(script))
-    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
-    for task in (("worker", 0), ("worker", 1), ("ps", 0)):
-        assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]
-    output = j.output("chief", 0)
-    loss, mae = (float(v) for v in re.findall(r"^\[([0-9.e-]+), ([0-9.e-]+)\]$", output, flags=re.M)[-1])
+def test_the_guide_script_runs_as_written_through_the_launcher(tmp_path):
+    """`keras-replicator launch --workers 2 --ps 1 train.py`: the guide's script, unchanged."""
+    (tmp_path / "train.py").write_text(
+        python_blocks("docs/async.md")[0] + "\nprint('history', model.history.history)\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--ps", "1",
+               "--timeout", "420", "train.py"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    loss, mae = (float(v) for v in re.findall(r"^\[chief 0\] \[([0-9.e-]+), ([0-9.e-]+)\]$", output, flags=re.M)[-1])
     assert mae < 0.5, output[-3000:]  # y = sum of 8 unit normals: std 2.8
+    for task in ("worker 0", "worker 1", "ps 0"):
+        assert f"[{task}] keras_replicator:" in output, output[-3000:]  # each task served
     # The chief saved the model; BackupAndRestore removed its backup when training ended.
-    assert (j.out / "model.keras").exists() and not (j.out / "backup").exists()
+    assert (tmp_path / "model.keras").exists() and not (tmp_path / "backup").exists()

@@ -50,6 +50,7 @@ def test_contributing_and_optimizer_pieces_snippets():
 # Which test runs each ```python block of the README and the guides (as it is shown, in a
 # fresh interpreter, checking what it prints); blocks not listed here are run above.
 RUN_ELSEWHERE = {
+    ("docs/async.md", 0): "tests/test_async.py",
     ("docs/batch_norm.md", 0): "tests/test_layers_one_device.py",
     ("docs/batch_norm.md", 1): "tests/test_layers_one_device.py",
     ("docs/callbacks.md", 0): "tests/test_callbacks.py",
