@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-insert", type=float, default=32.0,
                    help="rate limiter: transitions sampled per transition inserted (Acme: 32)")
     p.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help="Adam's, both networks (default: 1e-3 for Pendulum-v1, else 1e-4 as Acme)")
     p.add_argument("--eval-every", type=int, default=2_000, help="env steps between evaluations")
     p.add_argument("--eval-episodes", type=int, default=10)
     p.add_argument("--ray-address", default=None,
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             _parser().error(f"--{name.replace('_', '-')} must be a positive integer, "
                             f"got {getattr(args, name)}.")
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        _parser().error(f"--learning-rate must be positive, got {args.learning_rate}.")
     if not args.samples_per_insert > 0:
         _parser().error(f"--samples-per-insert must be positive, got {args.samples_per_insert}.")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
         args.env, args.out, actors=args.actors, replicas=args.replicas,
         env_steps=args.env_steps, samples_per_insert=args.samples_per_insert,
         batch_size=args.batch_size, seed=args.seed, ray_address=args.ray_address,
-        eval_every=args.eval_every, eval_episodes=args.eval_episodes,
+        learning_rate=args.learning_rate, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
     )
     if rows:
         print(f"final evaluation return {rows[-1]['eval_return']:.1f} after "

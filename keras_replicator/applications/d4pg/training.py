@@ -62,6 +62,7 @@ class Feeder:
         self.env_steps = 0
         self.episode_returns: list[float] = []
         self.actor_failures = 0
+        self.steps_by_actor = [0] * len(self.pool)
         self._pending: dict = {}  # object ref -> actor index
         self._weights_ref = None
         self._weights_time = -np.inf
@@ -91,7 +92,7 @@ class Feeder:
                 i = self._pending.pop(ref)
                 try:
                     transitions, returns, steps = self.ray.get(ref)
-                except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError):
+                except self.ray.exceptions.RayError:
                     # The actor died (Ray restarts it); its chunk is lost, its next call goes to
                     # the restarted process.
                     self.actor_failures += 1
@@ -99,6 +100,7 @@ class Feeder:
                 self.replay.insert(transitions)
                 self.limiter.record_insert(len(transitions))
                 self.env_steps += steps
+                self.steps_by_actor[i] += steps
                 self.episode_returns += returns
             if not self._pending:
                 break
@@ -203,7 +205,7 @@ def train(
     discount: float = 0.99,
     v_min: float = -150.0,
     v_max: float = 150.0,
-    learning_rate: float = 1e-4,
+    learning_rate: float | None = None,
     target_update_period: int = 100,
     policy_layers=networks.POLICY_LAYERS,
     critic_layers=networks.CRITIC_LAYERS,
@@ -212,7 +214,8 @@ def train(
 ) -> list[dict]:
     """Trains D4PG on `env_id`, writing results to `out_dir` (resumes from a checkpoint there).
 
-    Returns the rows of `returns.csv` (env_steps, wall_time_s, updates, eval_return,
+    `learning_rate=None` takes the task's (`environments.LEARNING_RATES`: 1e-3 for Pendulum-v1)
+    or Acme's 1e-4. Returns the rows of `returns.csv` (env_steps, wall_time_s, updates, eval_return,
     eval_return_std). Every argument is checked before Ray or TensorFlow does any work.
 
     Example:
@@ -233,7 +236,11 @@ def train(
     steps_per_call = check_int("steps_per_call", steps_per_call, minimum=1)
     if not isinstance(out_dir, (str, os.PathLike)):
         raise ValueError(f"out_dir must be a path, got {out_dir!r}.")
+    learning_rate = check_number("learning_rate", learning_rate, positive=True, optional=True)
     spec = environments.env_spec(env_id)   # unknown ids and discrete actions fail here
+    if learning_rate is None:
+        learning_rate = environments.LEARNING_RATES.get(env_id,
+                                                        environments.DEFAULT_LEARNING_RATE)
     import keras_replicator as kr
 
     devices = kr.local_devices()
