@@ -94,7 +94,7 @@ def test_n_step_accumulation_with_episode_ends():
     acc = d4pg.NStepAccumulator(n, gamma)
     got = []
     for t in range(T):
-        for o, a, r, d, nxt in acc.add([t], [t], rewards[t], [t + 1], dones[t], truncs[t]):
+        for o, _, r, d, nxt in acc.add([t], [t], rewards[t], [t + 1], dones[t], truncs[t]):
             got.append((int(o[0]), r, d, int(nxt[0])))
     want = n_step_reference(rewards, dones, truncs, n, gamma)
     assert [g[0] for g in got] == [w[0] for w in want]

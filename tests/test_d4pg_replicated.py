@@ -176,6 +176,7 @@ def test_training_rejects_bad_input_before_work(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.timeout(1500)
 def test_pendulum_learns(tmp_path):
     """The documented Pendulum-v1 configuration, stopped at 16k steps (a random policy: -1200;
     measured -159 at 14k and -122 at 20k steps): the mean of 10 evaluation episodes >= -400."""

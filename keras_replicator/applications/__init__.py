@@ -4,6 +4,8 @@
   zero-initialised residual gammas and weight decay on kernels only.
 * :mod:`keras_replicator.applications.imagenet`: the ImageNet input pipeline
   (TFDS ``imagenet2012``, Inception-style crops) and the large-batch recipe.
+* `keras_replicator.applications.d4pg`: D4PG (tutorial 3), Ray actors feeding a replicated
+  learner; its environments and actors need the `rl` extra.
 
 Example:
     ```python
@@ -15,7 +17,7 @@ Example:
     ```
 """
 
-from keras_replicator.applications import imagenet
+from keras_replicator.applications import d4pg, imagenet
 from keras_replicator.applications.resnet import (
     RESNET50_BLOCKS,
     apply_weight_decay,
@@ -23,4 +25,4 @@ from keras_replicator.applications.resnet import (
     resnet50,
 )
 
-__all__ = ["RESNET50_BLOCKS", "apply_weight_decay", "imagenet", "resnet", "resnet50"]
+__all__ = ["RESNET50_BLOCKS", "apply_weight_decay", "d4pg", "imagenet", "resnet", "resnet50"]

@@ -286,7 +286,7 @@ def train(
     if done_steps >= env_steps:
         return rows
 
-    ray = actors_lib.start_ray(ray_address, num_cpus=None)
+    actors_lib.start_ray(ray_address, num_cpus=None)
     start = time.monotonic()
     try:
         pool = actors_lib.make_actors(env_id, actors, seed=seed, n_step=n_step,
