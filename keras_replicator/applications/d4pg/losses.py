@@ -27,10 +27,16 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
+TensorLike = Any  # a tf.Tensor, NumPy array or nested list of floats
 
-def categorical_projection(atoms, probabilities, rewards, discounts) -> tf.Tensor:
+
+def categorical_projection(
+    atoms: TensorLike, probabilities: TensorLike, rewards: TensorLike, discounts: TensorLike
+) -> tf.Tensor:
     """Projects the distribution of `rewards + discounts * atoms` onto `atoms`.
 
     Args:

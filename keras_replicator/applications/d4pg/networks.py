@@ -165,7 +165,12 @@ def make_atoms(v_min: float = -150.0, v_max: float = 150.0, num_atoms: int = 51)
     return np.linspace(v_min, v_max, num_atoms, dtype=np.float32)
 
 
-def policy_forward_numpy(weights: Sequence[np.ndarray], obs: np.ndarray, low, high) -> np.ndarray:
+def policy_forward_numpy(
+    weights: Sequence[np.ndarray],
+    obs: np.ndarray,
+    low: Sequence[float] | np.ndarray,
+    high: Sequence[float] | np.ndarray,
+) -> np.ndarray:
     """The policy of `make_policy` evaluated from `policy.get_weights()` with NumPy.
 
     Args:
