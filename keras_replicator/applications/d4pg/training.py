@@ -163,12 +163,11 @@ def make_dataset(strategy, feeder: Feeder, obs_dim: int, action_dim: int):
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
+    # A Figure without pyplot: no backend is chosen or changed (a notebook keeps its own).
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot()
     ax.plot([r["env_steps"] for r in rows], [r["eval_return"] for r in rows], marker="o")
     ax.set_xlabel("environment steps")
     ax.set_ylabel("evaluation return (mean of episodes)")
@@ -176,7 +175,6 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _read_rows(path: str) -> list[dict]:
