@@ -127,6 +127,10 @@ class Feeder:
         """The next global batch (a dict of `Transitions` fields), once the limiter allows."""
         self.step(wait=False)
         while not self.limiter.can_sample(self.batch_size):
+            if not self._pending:
+                # The step budget stops new work: no insert will come. Keras may still prefetch
+                # a batch or two after the last update; they come from the replay as it is.
+                break
             self.step(wait=True)
         with self._lock:
             batch = self.replay.sample(self.batch_size)
