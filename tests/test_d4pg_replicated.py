@@ -169,6 +169,8 @@ def test_training_writes_outputs_and_resumes(tmp_path):
 def test_training_rejects_bad_input_before_work(tmp_path):
     with pytest.raises(ValueError, match="actors must be a positive integer"):
         training.train("Pendulum-v1", str(tmp_path), actors=0)
+    with pytest.raises(ValueError, match="must exceed min_replay_size"):
+        training.train("Pendulum-v1", str(tmp_path), env_steps=500)
     with pytest.raises(ValueError, match="replicas=3 but only 2 devices"):
         training.train("Pendulum-v1", str(tmp_path), replicas=3)
     with pytest.raises(ValueError, match="Discrete action space"):

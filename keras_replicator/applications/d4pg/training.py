@@ -236,6 +236,9 @@ def train(
     eval_episodes = check_int("eval_episodes", eval_episodes, minimum=1)
     min_replay_size = check_int("min_replay_size", min_replay_size, minimum=1)
     steps_per_call = check_int("steps_per_call", steps_per_call, minimum=1)
+    if env_steps <= min_replay_size:
+        raise ValueError(f"env_steps ({env_steps}) must exceed min_replay_size "
+                         f"({min_replay_size}): training starts once the replay holds that many.")
     if not isinstance(out_dir, (str, os.PathLike)):
         raise ValueError(f"out_dir must be a path, got {out_dir!r}.")
     learning_rate = check_number("learning_rate", learning_rate, positive=True, optional=True)
