@@ -21,6 +21,8 @@ PRIVATE_IMPORT = re.compile(r"\b(tensorflow\.python|keras\.src|tensorflow\.compi
 SUBCLASS_API = {
     "_track_variable", "_iterations", "_variables", "_trainable_variables",
     "_get_variable_index", "_check_variables_are_known",
+    # collections.namedtuple's public API
+    "_fields", "_asdict", "_replace", "_make",
 }
 # Private names read by string, allowed: our own strategies' marker.
 GETATTR_PRIVATE = re.compile(r"""getattr\([^,]+,\s*["'](_(?!keras_replicator\b)\w+)""")

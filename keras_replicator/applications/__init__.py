@@ -10,6 +10,8 @@
   ImageNet.
 * `keras_replicator.applications.tfds_input`: any TFDS data set read by file
   shards, one share per input pipeline, with per-example seeds.
+* `keras_replicator.applications.d4pg`: D4PG (tutorial 3), Ray actors feeding a replicated
+  learner; its environments and actors need the `rl` extra.
 
 Example:
     ```python
@@ -21,7 +23,7 @@ Example:
     ```
 """
 
-from keras_replicator.applications import imagenet, tfds_input
+from keras_replicator.applications import d4pg, imagenet, tfds_input
 from keras_replicator.applications.resnet import (
     RESNET50_BLOCKS,
     apply_weight_decay,
@@ -32,6 +34,7 @@ from keras_replicator.applications.resnet import (
 __all__ = [
     "RESNET50_BLOCKS",
     "apply_weight_decay",
+    "d4pg",
     "imagenet",
     "resnet",
     "resnet50",
