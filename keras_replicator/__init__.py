@@ -29,13 +29,27 @@ _COMMAND_LINE = sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.ar
 
 if _COMMAND_LINE:
 
-    def __getattr__(name: str):
-        from keras_replicator import _api
+    def _public_names() -> set[str]:
+        """`_api.__all__`, read from its source: importing `_api` would start TensorFlow."""
+        import ast
 
-        if name in _api.__all__:
-            globals().update({n: getattr(_api, n) for n in _api.__all__})
-            return globals()[name]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        path = os.path.join(os.path.dirname(__file__), "_api.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]:
+                return set(ast.literal_eval(node.value))
+        return set()
+
+    def __getattr__(name: str):
+        if name.startswith("_") or name not in _public_names():
+            # A submodule (`from keras_replicator import launch`) is then imported as usual.
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
+        api = importlib.import_module("keras_replicator._api")
+        globals().update({n: getattr(api, n) for n in api.__all__})
+        return globals()[name]
 
 else:
     from keras_replicator import _api

@@ -28,6 +28,12 @@ def _info(args: argparse.Namespace) -> int:
         kr.simulate_devices(args.simulate)
     print(f"keras_replicator {kr.__version__}")
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    from keras_replicator import _compat
+
+    problems = _compat.unchecked_versions()
+    print("private-API patches: " + ("checked on these versions" if not problems else "NOT checked:"))
+    for line in problems:
+        print("  " + line)
     print("devices:", ", ".join(kr.local_devices()))
     return 0
 

@@ -111,3 +111,16 @@ def test_docstrings_use_markdown_not_sphinx_roles():
                         if role.search(line):
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not offenders, "write `name` instead of Sphinx roles:\n" + "\n".join(offenders)
+
+
+def test_info_reports_versions_patch_ranges_and_devices():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    result = subprocess.run([sys.executable, "-m", "keras_replicator", "info", "--simulate", "2"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "private-API patches: checked on these versions" in result.stdout
+    assert "devices: /device:CPU:0, /device:CPU:1" in result.stdout
