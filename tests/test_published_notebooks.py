@@ -13,6 +13,17 @@ TUTORIAL_PATHS = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb"))
 
 
 @pytest.mark.parametrize("path", TUTORIAL_PATHS, ids=os.path.basename)
+def test_tutorial_is_committed_without_outputs(path):
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
+
+
+@pytest.mark.parametrize("path", TUTORIAL_PATHS, ids=os.path.basename)
 def test_published_copy_has_the_same_cells_and_the_outputs_of_a_run(path):
     import nbformat
 

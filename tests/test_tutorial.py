@@ -1,4 +1,5 @@
-"""Tutorial 1 (ResNet-50 on ImageNet) runs top to bottom in smoke mode, and ships without outputs."""
+"""Tutorial 1 (ResNet-50 on ImageNet) runs top to bottom in smoke mode (tests/test_published_notebooks.py
+checks that it ships without outputs)."""
 
 import os
 
@@ -10,16 +11,6 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.devices(1)  # the notebook's kernel is its own process with 4 devices
 
 NOTEBOOK = os.path.join(ROOT, "tutorials", "01_resnet50_imagenet.ipynb")
-
-
-def test_notebook_is_committed_without_outputs():
-    import nbformat
-
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
 def test_notebook_runs_in_smoke_mode(monkeypatch):

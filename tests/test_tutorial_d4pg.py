@@ -1,4 +1,5 @@
-"""Tutorial 3 (D4PG) runs top to bottom in smoke mode, and ships without outputs."""
+"""Tutorial 3 (D4PG) runs top to bottom in smoke mode (tests/test_published_notebooks.py checks
+that it ships without outputs)."""
 
 import os
 import subprocess
@@ -6,8 +7,8 @@ import time
 
 import pytest
 
+from tests import notebooks
 from tests.helpers import ROOT
-from tests.test_tutorial import _kernel
 
 pytestmark = pytest.mark.devices(2)  # the notebook's kernel is its own process with 2 devices
 
@@ -20,42 +21,11 @@ def _ray_processes():
             if line.split()[1] in ("raylet", "gcs_server")}
 
 
-def test_notebook_is_committed_without_outputs():
-    import nbformat
-
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
-
-
-def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
+def test_notebook_runs_in_smoke_mode(monkeypatch):
     before = _ray_processes()
-    jupyter_path, kernel_name = _kernel(
-        tmp_path,
-        {
-            "SMOKE": "1",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "PYTHONPATH": ROOT,
-            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-        },
-    )
-    monkeypatch.setenv("JUPYTER_PATH", jupyter_path)
     monkeypatch.delenv("KR_TEST_DEVICES", raising=False)
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, kernel_name=kernel_name, timeout=600,
-                            resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
-    client.execute()
-
-    text = "\n".join(
-        out.get("text", "")
-        for cell in nb.cells if cell.cell_type == "code"
-        for out in cell.outputs if out.get("output_type") == "stream"
-    )
+    nb = notebooks.execute(NOTEBOOK, env={"PYTHONPATH": ROOT}, timeout=600)
+    text = notebooks.stream_text(nb)
     assert "ReplicatorStrategy(num_replicas=2" in text
     assert "smoke mode" in text
     diff = float(text.split("2 replicas vs 1 device: ")[1].split()[0])
@@ -65,9 +35,7 @@ def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
     assert "20 steps -> 16 five-step transitions" in text
     assert "evaluation returns: [" in text
     assert "within [-2, 2]: True" in text
-    images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
-              if "image/png" in out.get("data", {})]
-    assert len(images) == 1
+    assert len(notebooks.images(nb)) == 1
     deadline = time.monotonic() + 20
     while _ray_processes() - before and time.monotonic() < deadline:
         time.sleep(0.5)
