@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator import _tf_internal, cluster, data, layers
+from keras_replicator._compat import multi_device_iterator
 from keras_replicator.layers import batch_normalization  # noqa: F401 (install_batch_norm_guard)
 
 # Each strategy instance gets a disjoint range of collective group keys. Workers
@@ -533,6 +534,9 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
         super().__init__(extended)
         _tf_internal.install_keras_patches()
         _tf_internal.install_all_reduce_gradient_patch()
+        # Per-replica input iterators without tf.data autotuning threads, whose join stalled
+        # every new epoch by up to 20 s (issue 21; see _compat/multi_device_iterator.py).
+        multi_device_iterator.install()
         # Plain Keras BatchNormalization: moving statistics kept identical across replicas.
         layers.batch_normalization.install_batch_norm_guard()
 
