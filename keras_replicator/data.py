@@ -381,11 +381,11 @@ def _pipeline(
         pieces = pieces.apply(tf.data.experimental.assert_cardinality(count * local))
 
     # distribute_datasets_from_function never auto-shards, so TensorFlow's AUTO->DATA warning
-    # cannot occur. Autotuning and order are TensorFlow's defaults; a user's explicit choice stays.
+    # cannot occur. Order is TensorFlow's default; a user's explicit choice stays. Autotuning is
+    # left unset (TensorFlow's default: on) so that ReplicatorStrategy can turn it off over CPU
+    # replicas, where its thread stalled every epoch (issue 21, _compat/multi_device_iterator.py).
     current = pieces.options()
     options = tf.data.Options()
-    if current.autotune.enabled is None:
-        options.autotune.enabled = True
     if current.deterministic is None:
         options.deterministic = True
     return pieces.prefetch(_AUTOTUNE).with_options(options)
