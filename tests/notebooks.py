@@ -89,6 +89,10 @@ def images(nb) -> list:
 def publish(names: list[str]) -> None:
     import nbformat
 
+    if os.path.islink(PUBLISHED):
+        raise SystemExit(f"{PUBLISHED} is a link: it must be a folder of its own, or the "
+                         "tutorials themselves would get the outputs")
+
     paths = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb")))
     if names:
         paths = [p for p in paths if any(n in os.path.basename(p) for n in names)]

@@ -9,6 +9,10 @@ from tests.notebooks import PUBLISHED, TUTORIALS
 
 pytestmark = pytest.mark.devices(1)
 
+def test_published_copies_are_a_folder_of_their_own():
+    assert os.path.isdir(PUBLISHED) and not os.path.islink(PUBLISHED)
+
+
 TUTORIAL_PATHS = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb")))
 
 
