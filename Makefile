@@ -30,8 +30,12 @@ docs: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) -m tests.notebooks publish
 
+# Speed against stock TensorFlow and one device; then the asynchronous regime (2 workers + 1 ps
+# against the synchronous strategy, with and without a straggler) and D4PG's actors and learner.
 bench: $(STAMP)
 	$(PY) -m benchmarks
+	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
+	$(PY) -m benchmarks.d4pg
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
