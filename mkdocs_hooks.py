@@ -8,7 +8,7 @@ import re
 
 from mkdocs.exceptions import PluginError
 
-_ROLE = re.compile(r":(class|func|meth|mod|attr|exc|obj|data):`")
+_ROLE = re.compile(r":(class|func|meth|mod|attr|exc|obj|data):(`|<code>)")
 
 
 def on_page_content(html, page, config, files):
