@@ -11,6 +11,9 @@ import keras
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/launched_job.py's data, known to tests/test_launch_training.py without importing
+# the job (which makes a strategy when imported).
+LAUNCHED_JOB_EXAMPLES, LAUNCHED_JOB_BATCH = 64, 16
 
 
 def regression_data(n=64, d=8, seed=0):

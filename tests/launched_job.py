@@ -26,9 +26,9 @@ strategy = kr.ReplicatorStrategy(failure_timeout=10)
 
 import keras  # noqa: E402
 
+from tests.helpers import LAUNCHED_JOB_BATCH as BATCH  # noqa: E402
+from tests.helpers import LAUNCHED_JOB_EXAMPLES as NUM_EXAMPLES  # noqa: E402
 from tests.helpers import dense_model, regression_data  # noqa: E402
-
-NUM_EXAMPLES, BATCH = 64, 16
 
 
 def main(out_dir: str, epochs: int, crash: bool) -> None:

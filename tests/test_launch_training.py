@@ -13,8 +13,9 @@ import keras
 import numpy as np
 
 from keras_replicator.launch import free_ports
+from tests.helpers import LAUNCHED_JOB_BATCH as BATCH
+from tests.helpers import LAUNCHED_JOB_EXAMPLES as NUM_EXAMPLES
 from tests.helpers import ROOT, dense_model, regression_data
-from tests.launched_job import BATCH, NUM_EXAMPLES
 
 JOB = os.path.join(ROOT, "tests", "launched_job.py")
 TIMEOUT = 300
