@@ -4,6 +4,8 @@
   zero-initialised residual gammas and weight decay on kernels only.
 * :mod:`keras_replicator.applications.imagenet`: the ImageNet input pipeline
   (TFDS ``imagenet2012``, Inception-style crops) and the large-batch recipe.
+* `keras_replicator.applications.sngan`: the class-conditional SN-GAN of tutorial 2
+  (models, the two-optimizer `SNGAN` step, digits/ImageNet data, FID and IS).
 
 Example:
     ```python
@@ -15,7 +17,7 @@ Example:
     ```
 """
 
-from keras_replicator.applications import imagenet
+from keras_replicator.applications import imagenet, sngan
 from keras_replicator.applications.resnet import (
     RESNET50_BLOCKS,
     apply_weight_decay,
@@ -23,4 +25,4 @@ from keras_replicator.applications.resnet import (
     resnet50,
 )
 
-__all__ = ["RESNET50_BLOCKS", "apply_weight_decay", "imagenet", "resnet", "resnet50"]
+__all__ = ["RESNET50_BLOCKS", "apply_weight_decay", "imagenet", "resnet", "resnet50", "sngan"]

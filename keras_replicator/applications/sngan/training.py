@@ -235,6 +235,10 @@ class SNGAN(keras.Model):
     def train_step(self, data):
         images, labels = data[0], data[1]
         labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
+        tf.debugging.assert_non_negative(labels, message="SNGAN: a label is negative.")
+        tf.debugging.assert_less(
+            labels, self.num_classes,
+            message=f"SNGAN: a label is outside the {self.num_classes} classes [0, {self.num_classes}).")
         local_total = tf.shape(images)[0]
         tf.debugging.assert_equal(
             local_total % self.n_dis, 0,
