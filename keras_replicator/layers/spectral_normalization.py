@@ -34,7 +34,9 @@ def _l2_normalize(x, epsilon: float):
     return x / (ops.sqrt(ops.sum(ops.square(x))) + epsilon)
 
 
-def spectral_norm_sigma(matrix, u, power_iterations: int = 1, epsilon: float = 1e-12):
+def spectral_norm_sigma(
+    matrix: Any, u: Any, power_iterations: int = 1, epsilon: float = 1e-12
+) -> tuple[Any, Any]:
     """One estimate of the largest singular value of `matrix` by power iteration.
 
     Args:
