@@ -9,7 +9,9 @@ import keras_replicator as kr
 from keras_replicator.applications import sngan
 from keras_replicator.applications.sngan import metrics
 
-STEPS, GLOBAL_BATCH, N_DIS, CH, LR = 300, 32, 2, 16, 1e-3
+# Measured with these settings (loaded 2-core machine): class accuracy 0.61 at 300 steps,
+# 0.86 at 400; mean within-class distance 10.5 against 13.0 for real digits.
+STEPS, GLOBAL_BATCH, N_DIS, CH, LR = 400, 32, 2, 16, 1e-3
 
 
 def _mean_pairwise_distance(images):
@@ -21,7 +23,7 @@ def _mean_pairwise_distance(images):
 def test_class_conditional_samples_on_four_replicas():
     x, y = sngan.digits(32)
     # The judge: a classifier of real digits trained on its own, on one device.
-    classifier = metrics.train_digits_classifier(x, y, epochs=10, seed=1)
+    classifier = metrics.train_digits_classifier(x, y, epochs=10, seed=0)
     assert classifier.evaluate(x, y, verbose=0)[1] > 0.97
     cfg = dataclasses.replace(sngan.get_config("small32"), ch=CH, channels=1)
     strategy = kr.ReplicatorStrategy([f"/cpu:{i}" for i in range(4)])
