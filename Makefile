@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 TF_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: demo test lint docs bench bench-quick clean
+.PHONY: demo test lint docs notebooks bench bench-quick bench-d4pg clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs]"
+	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs,rl]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,11 +26,18 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
+# Executes every tutorial (SMOKE=1) and writes it with its outputs to docs/tutorials/.
+notebooks: $(STAMP)
+	$(PY) -m tests.notebooks publish
+
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
+
+bench-d4pg: $(STAMP)
+	$(PY) -m benchmarks.d4pg
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

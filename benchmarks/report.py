@@ -338,6 +338,45 @@ def _bandwidth_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _window_ms(entry: dict | None, batch: int) -> list[float]:
+    """Step time (ms) of each timed window of an entry, every round."""
+    if not entry or not entry.get("window_samples"):
+        return []
+    return [1000.0 * batch / x for r in entry["window_samples"] for x in r]
+
+
+def _window_table(doc: dict[str, Any]) -> list[str]:
+    """Distribution of per-window step times: one device, stock and ours (issue 21)."""
+    out = ["**Step time per window** (ms per step; each window is one `fit` call, a new epoch "
+           "with a new iterator; spread: the slowest window over the median; paired: ours' "
+           "window over the other's window run just before or after it)", "",
+           "| model | devices | strategy | p10 | median | p90 | slowest | spread "
+           "| ours / it, paired (median, worst) |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for e in doc["training"]:
+        if e.get("strategy") != "ours":
+            continue
+        batch = 64 if e["model"].startswith("resnet50") else 128
+        one = _one_device(doc, e["model"], e["devices"])
+        stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
+        for name, other in (("one device", one), ("stock", stock), ("ours", e)):
+            ms = sorted(_window_ms(other, batch))
+            if not ms:
+                continue
+            q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+            median = statistics.median(ms)
+            ratios = (None if other is e else
+                      _window_ratios(e, other, e.get("window_samples"), other.get("window_samples")))
+            paired = (f"{statistics.median(ratios):.2f}x, {min(ratios):.2f}x" if ratios else "-")
+            out.append(f"| {MODEL_NAMES.get(e['model'], e['model'])} "
+                       f"| {_devices_label(e['devices'])} | {name} | {_fmt(q[0], 1)} "
+                       f"| {_fmt(median, 1)} | {_fmt(q[-1], 1)} | {_fmt(ms[-1], 1)} "
+                       f"| {ms[-1] / median:.2f}x | {paired} |")
+    out += ["", "Paired ratios are of throughput (above 1: ours faster in that pair of windows).",
+            ""]
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The Markdown tables of one run (included by docs/performance.md)."""
     out = ["<!-- Written by `python -m benchmarks` from benchmarks.json; do not edit. -->", ""]
@@ -385,6 +424,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "their window-by-window ratios, which cancels the machine's drift; other ratios "
             "are of medians.", ""]
 
+    out += _window_table(doc)
     out += _bandwidth_table(doc)
 
     pairs = _batch_norm_pairs(doc)

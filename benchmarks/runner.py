@@ -131,7 +131,10 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
     # ResNet-50 and its batch-norm layers alone: the same per-replica shapes.
     spec = {"kind": "train", "model": model, "strategy": strategy, "devices": devices,
             "global_batch": 64 if model.startswith("resnet50") else 128,
-            "steps_per_execution": 1, **steps}
+            "steps_per_execution": 1, **steps,
+            # Every window a new epoch (one fit call), as users train: each pays what Keras
+            # does between epochs, where the stall of issue 21 was (docs/performance.md).
+            "epoch_per_window": True}
     spec.update(extra)
     return spec
 
@@ -596,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulated CPU device counts to compare (default 2 4; quick 2)")
     parser.add_argument("--models", nargs="+", default=None, choices=("cnn", "resnet50"),
                         help="training models (default cnn resnet50; quick cnn)")
+    parser.add_argument("--sections", nargs="+", default=None, metavar="SECTION",
+                        help="run only these sections of the plan, e.g. training (default all)")
     parser.add_argument("--replot", action="store_true",
                         help="only rebuild the table and plot from the existing JSON")
     args = parser.parse_args(argv)
@@ -616,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     env = run_worker({"kind": "env"}, settings.timeout)
     env.pop("wall_seconds", None)
     configs = plan(settings, env)
+    if args.sections:
+        configs = [c for c in configs if c.section in args.sections]
     print(f"{len(configs)} configurations, up to "
           f"{max(c.rounds for c in configs)} interleaved round(s)", flush=True)
     execute(configs, settings, log=lambda msg: print(msg, flush=True))

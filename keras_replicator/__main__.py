@@ -2,8 +2,10 @@
 
 Sub-commands:
     info    the versions and the devices a ReplicatorStrategy would use here.
-    launch  run a script as N local worker processes of one multi-worker job.
+    launch  run a script as the worker processes of one multi-worker job.
     k8s     print a Kubeflow TFJob manifest running a script on N worker pods.
+
+Only ``info`` imports TensorFlow; ``--help``, ``launch`` and ``k8s`` do not.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ def _info(args: argparse.Namespace) -> int:
         kr.simulate_devices(args.simulate)
     print(f"keras_replicator {kr.__version__}")
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    from keras_replicator import _compat
+
+    problems = _compat.unchecked_versions()
+    print("private-API patches: " + ("checked on these versions" if not problems else "NOT checked:"))
+    for line in problems:
+        print("  " + line)
     print("devices:", ", ".join(kr.local_devices()))
     return 0
 
@@ -59,16 +67,21 @@ _non_negative_int = _number_type(int, "at least 0", lambda v: v >= 0)
 _positive_float = _number_type(float, "positive", lambda v: v > 0)
 
 
-def _add_job_arguments(parser: argparse.ArgumentParser, script_help: str) -> None:
+def _add_job_arguments(
+    parser: argparse.ArgumentParser, script_help: str, workers_required: bool = True
+) -> None:
     """The arguments every job-starting sub-command takes: N workers running one script."""
-    parser.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    parser.add_argument("--workers", type=_positive_int, required=workers_required, default=None,
+                        metavar="N", help="number of workers" + ("" if workers_required else
+                        " on this machine (a one-machine job)"))
     parser.add_argument("script", help=script_help)
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from keras_replicator import launch
+    from keras_replicator import launch  # no TensorFlow: the launcher starts at once
 
+    gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g.strip()]
     try:
         return launch.launch(
             args.script,
@@ -76,10 +89,23 @@ def _launch(args: argparse.Namespace) -> int:
             workers=args.workers,
             devices_per_worker=args.devices_per_worker,
             host=args.host,
+            hosts=args.hosts,
+            node_rank=args.node_rank,
+            port=args.port,
+            nnodes=args.nnodes,
+            master=args.master,
+            rendezvous_timeout=args.rendezvous_timeout,
+            max_restarts=args.max_restarts,
+            ps=args.ps,
+            log_dir=args.log_dir,
+            tee=args.tee,
+            gpus=gpus,
+            grace=args.grace,
             timeout=args.timeout,
         )
-    except KeyboardInterrupt:  # the workers were stopped on the way out
-        return 130
+    except TimeoutError as e:  # the rendezvous of --nnodes did not complete
+        sys.stderr.write(f"keras-replicator launch: {e}\n")
+        return 1
 
 
 def _k8s(args: argparse.Namespace) -> int:
@@ -95,6 +121,7 @@ def _k8s(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             gpus_per_worker=args.gpus_per_worker,
             restart_policy=args.restart_policy,
+            ps=args.ps,
         )
     )
     return 0
@@ -112,17 +139,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser(
         "launch",
-        help="run a script as N local workers of one multi-worker job",
-        description="Runs SCRIPT as N worker processes with TF_CONFIG on free ports of HOST. "
-        "Output lines are prefixed with [worker i]; when a worker fails the others are stopped "
-        "and its exit code is returned. TensorFlow's workers are unauthenticated: keep HOST "
-        "on a private network.",
+        help="run a script as the workers of one multi-worker job",
+        description="Runs SCRIPT as N worker processes with TF_CONFIG on free ports of HOST, or, "
+        "with --hosts, this node's share of a job on several machines (run the same command on "
+        "each with its --node-rank). Output lines are prefixed with [worker i]; when a worker "
+        "fails the others are stopped and its exit code is returned (or the job restarted, "
+        "--max-restarts). SIGINT, SIGTERM and SIGHUP are forwarded to every worker, and the "
+        "launcher exits after them. TensorFlow's workers are unauthenticated: keep the job on a "
+        "private network.",
     )
-    _add_job_arguments(launch, "the Python script every worker runs")
+    _add_job_arguments(launch, "the Python script every worker runs", workers_required=False)
     launch.add_argument("--devices-per-worker", type=_positive_int, default=None, metavar="K",
-                        help="simulate K CPU devices in each worker")
+                        help="simulate K CPU devices in each worker (overrides the script's "
+                        "kr.simulate_devices)")
     launch.add_argument("--host", default="127.0.0.1",
                         help="address the workers reach each other on (default 127.0.0.1)")
+    launch.add_argument("--hosts", default=None, metavar="H1:N1,H2:N2",
+                        help="every node of a multi-host job with its worker count, in node order")
+    launch.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
+                        help="this machine's position in --hosts, or its rank of --nnodes")
+    launch.add_argument("--port", type=_number_type(int, "in 1..65535", lambda v: 1 <= v <= 65535),
+                        default=2222, help="with --hosts: first port of each node's workers "
+                        "(default 2222)")
+    launch.add_argument("--nnodes", type=_positive_int, default=None, metavar="N",
+                        help="number of nodes that find each other through --master (instead of "
+                        "--hosts); --workers is then per node and --host this node's address")
+    launch.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="with --nnodes: node 0's address and a free port for the rendezvous")
+    launch.add_argument("--rendezvous-timeout", type=_positive_float, default=300.0,
+                        metavar="SECONDS", help="with --nnodes: how long to wait for every node")
+    launch.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                        help="restart every worker after a failure, up to N times (default 0)")
+    launch.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
+                        help="a parameter-server job: a chief, the N workers and M ps tasks "
+                        "(a failed worker is restarted alone, up to --max-restarts times)")
+    launch.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="also write each worker's output to DIR/worker_i.log")
+    launch.add_argument("--tee", choices=["all", "chief", "none"], default="all",
+                        help="whose output to print (default all; a failing worker's last lines "
+                        "are printed anyway)")
+    launch.add_argument("--gpus", default=None, metavar="IDS",
+                        help="GPU ids to split among this machine's workers, e.g. 0,1,2,3 "
+                        "(default: CUDA_VISIBLE_DEVICES, else nvidia-smi; '' for none)")
+    launch.add_argument("--grace", type=_number_type(float, "at least 0", lambda v: v >= 0),
+                        default=5.0, metavar="SECONDS",
+                        help="time between forwarding a stop signal and SIGKILL (default 5)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
                         help="stop every worker after this long and exit with 124")
     launch.set_defaults(func=_launch)
@@ -137,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--image", required=True, help="container image with the script")
     k8s.add_argument("--name", default="keras-replicator", help="the TFJob's name")
     k8s.add_argument("--namespace", default=None)
+    k8s.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
+                     help="a parameter-server job: Chief, N Worker and M PS replicas")
     k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G")
     k8s.add_argument("--restart-policy", default="OnFailure",
                      choices=["OnFailure", "Always", "Never", "ExitCode"])

@@ -2,8 +2,8 @@
 
 Each check converts and returns the value, so a constructor reads
 `self.steps = check_int("steps", steps, minimum=1)`. Wrong types and wrong
-values both raise `ValueError` (its message says which): callers catch one class,
-and NumPy integers and booleans are accepted where Python's are.
+values both raise `ArgumentError` (a `ValueError` and a
+`TypeError`); NumPy integers and booleans are accepted where Python's are.
 """
 
 from __future__ import annotations
@@ -12,6 +12,29 @@ import math
 import numbers
 from collections.abc import Iterable
 from typing import Any
+
+__all__ = ["ArgumentError", "check_bool", "check_choice", "check_int", "check_number"]
+
+
+class ArgumentError(ValueError, TypeError):
+    """An argument of the wrong type or value; raised before any work is done.
+
+    Both a `ValueError` and a `TypeError`, so code that catches either works.
+    Defined here, not in `errors`, so that the command line (which imports no
+    TensorFlow) can use these checks; `keras_replicator.errors` re-exports it.
+
+    Example:
+        ```python
+        try:
+            kr.simulate_devices(0)
+        except ValueError as e:        # or TypeError, or kr.errors.ArgumentError
+            print(e)                   # n must be a positive integer, got 0.
+        ```
+    """
+
+    # AutoGraph re-raises an error from traced code with its own type only for the
+    # built-in types and for classes with Exception's constructor; this keeps ours.
+    __init__ = Exception.__init__
 
 
 def _is_int(value: Any) -> bool:
@@ -46,7 +69,7 @@ def check_int(
             kind = f"an integer <= {maximum}"
         else:
             kind = "an integer"
-        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}.")
+        raise ArgumentError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}.")
     return int(value)
 
 
@@ -71,7 +94,7 @@ def check_number(
     )
     if not ok:
         kind = "a positive" if positive else "a non-negative" if non_negative else "a finite"
-        raise ValueError(
+        raise ArgumentError(
             f"{name} must be {kind} number{' or None' if optional else ''}, got {value!r}."
         )
     return float(value)
@@ -82,9 +105,8 @@ def check_bool(name: str, value: Any, *, optional: bool = False) -> bool | None:
     if value is None and optional:
         return None
     if not (isinstance(value, bool) or type(value).__name__ == "bool_"):
-        raise ValueError(
-            f"{name} must be True or False{' or None' if optional else ''}, got {value!r}."
-        )
+        kind = "True, False or None" if optional else "True or False"
+        raise ArgumentError(f"{name} must be {kind}, got {value!r}.")
     return bool(value)
 
 
@@ -93,5 +115,5 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     choices = tuple(choices)
     if value not in choices:
         listed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {listed}; got {value!r}.")
+        raise ArgumentError(f"{name} must be one of {listed}; got {value!r}.")
     return value

@@ -1,57 +1,47 @@
 """Keras callbacks for replicated training.
 
-* :class:`LearningRateWarmup`: the linear scaling rule with gradual warmup of
-  Goyal et al. (2017), "Accurate, Large Minibatch SGD".
-* :class:`Throughput`: examples per second (global and per replica), step time
-  and scaling efficiency, in ``History`` and TensorBoard.
-* :class:`ReplicaConsistencyCheck`: fails fast when the copies of a mirrored
-  variable stop being identical across replicas (and workers).
+* `Throughput`: examples per second (global and per replica), step time
+  and scaling efficiency, in `History` and TensorBoard.
+* `ReplicaConsistencyCheck`: fails fast when the copies of a mirrored
+  variable stop being identical across replicas (and workers); it raises
+  `keras_replicator.errors.ReplicaDivergenceError` (also importable from here).
 
-They work with any Keras model; with a :class:`~keras_replicator.ReplicatorStrategy`
+They work with any Keras model; with a `keras_replicator.ReplicatorStrategy`
 they read the number of replicas from the model's strategy.
 
-Checkpointing: ``keras.callbacks.BackupAndRestore(save_freq="epoch")`` resumes a
+Learning-rate warmup and decay are schedules, not callbacks: see
+`keras_replicator.schedules`. A schedule follows `optimizer.iterations`, so it
+resumes with a checkpoint and on another number of replicas; the former
+`LearningRateWarmup` callback measured the global batch from the first step and
+counted epochs, which a resumed or re-sharded run could not reproduce.
+
+Checkpointing: `keras.callbacks.BackupAndRestore(save_freq="epoch")` resumes a
 replicated run exactly, also on a different number of replicas (same global
 batch): weights, optimizer slots, iteration count (hence the learning-rate
-schedule position) and :class:`~keras_replicator.optimizers.CrossReplicaOptimizer`'s
-half-accumulated gradients are restored. Batch-level ``save_freq`` restores the
+schedule position) and `keras_replicator.optimizers.CrossReplicaOptimizer`'s
+half-accumulated gradients are restored. Batch-level `save_freq` restores the
 state but Keras restarts the interrupted epoch from its first batch.
+
+Example:
+    ```python
+    callbacks = [kr.callbacks.Throughput(), kr.callbacks.ReplicaConsistencyCheck(every_n_steps=500)]
+    ```
 """
 
 from __future__ import annotations
 
-import math
 import time
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_replicator import testing
-from keras_replicator.collectives import all_gather
+from keras_replicator._validation import check_bool, check_int, check_number
+from keras_replicator.collectives import all_gather, all_reduce
+from keras_replicator.errors import ReplicaDivergenceError
 
-
-def _check_positive_number(name: str, value, *, allow_zero: bool = False) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"{name} must be {kind} number, got {value!r}.")
-    return float(value)
-
-
-def _check_positive_int(name: str, value, *, optional: bool = False) -> int | None:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        extra = " or None" if optional else ""
-        raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}.")
-    return value
+__all__ = ["ReplicaConsistencyCheck", "ReplicaDivergenceError", "Throughput"]
 
 
 def _num_replicas(model) -> int:
@@ -72,30 +62,6 @@ def _examples_seen(model) -> float | None:
     return None
 
 
-class _GlobalBatch:
-    """The global batch size: given, or measured from the first executed steps."""
-
-    def __init__(self, given: int | None, owner: str):
-        self.value = given
-        self._given = given
-        self._owner = owner
-
-    def reset(self):
-        self.value = self._given
-
-    def observe(self, model, steps_in_epoch: int) -> None:
-        if self.value is not None:
-            return
-        seen = _examples_seen(model)
-        if not seen:
-            raise ValueError(
-                f"{self._owner} could not find the global batch size: the model counts no "
-                "examples in its 'loss' metric (a custom train_step?). Pass "
-                f"{self._owner}(..., global_batch_size=...)."
-            )
-        self.value = max(1, round(seen / steps_in_epoch))
-
-
 class _ConfigFromArguments(keras.callbacks.Callback):
     """A callback whose Keras config is its constructor's arguments.
 
@@ -114,206 +80,6 @@ class _ConfigFromArguments(keras.callbacks.Callback):
 
 
 @keras.saving.register_keras_serializable(package="keras_replicator")
-class LearningRateWarmup(_ConfigFromArguments):
-    """Linear learning-rate scaling with gradual warmup (Goyal et al., 2017).
-
-    The target learning rate is ``base_lr * global_batch / reference_batch``.
-    Training starts at ``base_lr`` and the rate grows linearly, step by step,
-    to the target over ``warmup_epochs`` epochs; from then on the callback no
-    longer touches it. A warmup only ever raises the rate: when the global
-    batch is at most ``reference_batch`` the target is at most ``base_lr``, and
-    the target rate applies from the first step.
-
-    The global batch (all replicas, all workers) is ``global_batch_size`` if
-    given, else measured on the first step (from the examples counted by the
-    model's ``loss`` metric). Pass it explicitly when resuming a run in the
-    middle of the warmup, or when the global batch may be below
-    ``reference_batch``: a measured batch is known only after the first step,
-    which therefore runs at ``base_lr`` (with a warning if that was above the
-    target).
-
-    To follow the warmup with a schedule, use a callback that changes the
-    rate relative to the current one, listed **after** this one; it sees the
-    target rate once the warmup is over. The optimizer's learning rate must be
-    a float (not a ``LearningRateSchedule``), which the callbacks set.
-
-    Example:
-        ```python
-        import keras, numpy as np
-        import keras_replicator as kr
-
-        kr.simulate_devices(2)
-        strategy = kr.ReplicatorStrategy()
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-            model.compile(keras.optimizers.SGD(0.01), "mse")
-        decay = keras.callbacks.LearningRateScheduler(
-            lambda epoch, lr: lr * 0.1 if epoch == 3 else lr)     # after the warmup
-        model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=32, epochs=4, verbose=0,
-                  callbacks=[kr.callbacks.LearningRateWarmup(0.01, warmup_epochs=2,
-                                                             reference_batch=8), decay])
-        print(model.history.history["learning_rate"])   # [0.0175, 0.0325, 0.04, 0.004]
-        ```
-
-    Args:
-        base_lr: the learning rate for ``reference_batch`` examples per step.
-        warmup_epochs: length of the warmup in epochs (fractions allowed);
-            ``0`` applies the scaled rate from the first step.
-        reference_batch: the batch size ``base_lr`` was tuned for.
-        global_batch_size: the global batch size; ``None`` measures it.
-        verbose: ``1`` prints when the warmup ends.
-    """
-
-    _config_keys = ("base_lr", "warmup_epochs", "reference_batch", "global_batch_size", "verbose")
-
-    def __init__(
-        self,
-        base_lr: float,
-        warmup_epochs: float,
-        reference_batch: int = 256,
-        *,
-        global_batch_size: int | None = None,
-        verbose: int = 0,
-    ):
-        super().__init__()
-        self.base_lr = _check_positive_number("base_lr", base_lr)
-        self.warmup_epochs = _check_positive_number("warmup_epochs", warmup_epochs, allow_zero=True)
-        self.reference_batch = _check_positive_int("reference_batch", reference_batch)
-        self.global_batch_size = _check_positive_int(
-            "global_batch_size", global_batch_size, optional=True
-        )
-        if verbose not in (0, 1):
-            raise ValueError(f"verbose must be 0 or 1, got {verbose!r}.")
-        self.verbose = verbose
-        self._batch = _GlobalBatch(self.global_batch_size, "LearningRateWarmup")
-        self._epoch = 0
-        self._steps_per_epoch = None
-        self._done = False
-        self._started_at_base_lr = False
-
-    @property
-    def global_batch(self) -> int | None:
-        """The global batch size in use: given, or measured on the first step (else None)."""
-        return self._batch.value
-
-    @property
-    def target_lr(self) -> float | None:
-        """``base_lr * global_batch / reference_batch``, once the global batch is known."""
-        if self._batch.value is None:
-            return None
-        return self.base_lr * self._batch.value / self.reference_batch
-
-    def learning_rate(self, step: int, steps_per_epoch: int, global_batch_size: int) -> float:
-        """The learning rate this callback sets for global step ``step`` (0-based).
-
-        Example:
-            ```python
-            warmup = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=5)
-            warmup.learning_rate(0, steps_per_epoch=100, global_batch_size=1024)    # 0.1
-            warmup.learning_rate(250, steps_per_epoch=100, global_batch_size=1024)  # 0.25
-            warmup.learning_rate(500, steps_per_epoch=100, global_batch_size=1024)  # 0.4
-            # a global batch below reference_batch (256): the scaled rate at once, no ramp
-            warmup.learning_rate(0, steps_per_epoch=100, global_batch_size=64)      # 0.025
-            ```
-
-        Args:
-            step: number of training steps before this one.
-            steps_per_epoch: training steps per epoch.
-            global_batch_size: examples per step over all replicas.
-        """
-        target = self.base_lr * global_batch_size / self.reference_batch
-        warmup_steps = int(round(self.warmup_epochs * steps_per_epoch))
-        if step >= warmup_steps:
-            return target
-        start = min(self.base_lr, target)  # warm up from a small rate, never down to one
-        return start + (target - start) * step / warmup_steps
-
-    def _warmup_steps(self) -> int:
-        return int(round(self.warmup_epochs * self._steps_per_epoch))
-
-    def _set_lr(self, value: float) -> None:
-        self.model.optimizer.learning_rate = value
-
-    def on_train_begin(self, logs=None):
-        self._batch.reset()
-        self._done = False
-        self._started_at_base_lr = False
-        steps = (self.params or {}).get("steps")
-        if not steps:
-            raise ValueError(
-                "LearningRateWarmup needs the number of steps per epoch; the dataset's size is "
-                "unknown, so pass steps_per_epoch= to fit()."
-            )
-        self._steps_per_epoch = int(steps)
-        optimizer = self.model.optimizer
-        if optimizer is None:
-            raise ValueError("LearningRateWarmup needs a compiled model with an optimizer.")
-        try:
-            optimizer.learning_rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        except TypeError as e:
-            raise TypeError(
-                "LearningRateWarmup sets the optimizer's learning rate, so it must be a float, "
-                "not a LearningRateSchedule. Follow the warmup with a callback such as "
-                "keras.callbacks.LearningRateScheduler instead."
-            ) from e
-        if self._warmup_steps() == 0 and self._batch.value is None:
-            raise ValueError(
-                "warmup_epochs=0 applies the scaled rate from the first step, before the global "
-                "batch can be measured: pass global_batch_size=."
-            )
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._maybe_finish(epoch * self._steps_per_epoch)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._done:
-            return
-        step = self._epoch * self._steps_per_epoch + batch
-        if self._maybe_finish(step):
-            return
-        if self._batch.value is not None:
-            self._set_lr(self.learning_rate(step, self._steps_per_epoch, self._batch.value))
-        elif step == 0:
-            # Not measured yet: base_lr is the right start unless the global batch turns
-            # out to be below reference_batch, which on_train_batch_end warns about.
-            self._set_lr(self.base_lr)
-            self._started_at_base_lr = True
-        # else: the first step of a run resumed mid-warmup, batch not measured yet:
-        # the restored rate stays for this one step.
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._batch.value is None:
-            self._batch.observe(self.model, batch + 1)
-            if self._started_at_base_lr and self.target_lr < self.base_lr:
-                warnings.warn(
-                    f"LearningRateWarmup: the global batch ({self._batch.value}) is below "
-                    f"reference_batch ({self.reference_batch}), so the rate should have been the "
-                    f"target {self.target_lr:g} from the first step, but the first {batch + 1} "
-                    f"step(s) ran at base_lr={self.base_lr:g} before the batch was measured. "
-                    f"Pass global_batch_size={self._batch.value} to avoid this.",
-                    stacklevel=2,
-                )
-            self._started_at_base_lr = False
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
-
-    def _maybe_finish(self, step: int) -> bool:
-        if self._done or step < self._warmup_steps() or self.target_lr is None:
-            return self._done
-        self._set_lr(self.target_lr)
-        self._done = True
-        if self.verbose:
-            print(
-                f"\nEpoch {self._epoch + 1}: finished learning rate warmup to {self.target_lr:g} "
-                f"(global batch {self._batch.value})."
-            )
-        return True
-
-
-@keras.saving.register_keras_serializable(package="keras_replicator")
 class Throughput(_ConfigFromArguments):
     """Examples per second (global and per replica) and step time, per epoch.
 
@@ -327,7 +93,9 @@ class Throughput(_ConfigFromArguments):
     The clock runs during training steps: from this callback's
     ``on_train_batch_begin`` to its ``on_train_batch_end``, summed over the
     epoch's steps (validation and the work of callbacks listed after this one
-    are left out). The first step of each ``fit`` is left out too, as it
+    are left out). In a multi-worker job the figures are the job's, the same on
+    every worker: the examples of all workers over the longest of the workers'
+    clocks (every worker runs the callback; it takes one small collective per epoch). The first step of each ``fit`` is left out too, as it
     includes tracing (unless it is the only one). The number of examples is ``global_batch_size`` per
     step if given, else what the model's ``loss`` metric counted (exact with a
     short last batch).
@@ -361,15 +129,14 @@ class Throughput(_ConfigFromArguments):
 
     def __init__(self, *, single_replica_rate: float | None = None, global_batch_size: int | None = None):
         super().__init__()
-        self.single_replica_rate = (
-            None
-            if single_replica_rate is None
-            else _check_positive_number("single_replica_rate", single_replica_rate)
+        self.single_replica_rate = check_number(
+            "single_replica_rate", single_replica_rate, positive=True, optional=True
         )
-        self.global_batch_size = _check_positive_int(
-            "global_batch_size", global_batch_size, optional=True
+        self.global_batch_size = check_int(
+            "global_batch_size", global_batch_size, minimum=1, optional=True
         )
         self._skip_first = True
+        self._max_fn = None  # the cross-worker max of a multi-worker job, built on first use
         self.last = None
 
     def _examples(self, steps_in_epoch: int) -> float:
@@ -385,6 +152,27 @@ class Throughput(_ConfigFromArguments):
 
     def on_train_begin(self, logs=None):
         self._skip_first = True
+
+    def _job_seconds(self, seconds: float) -> float:
+        """The longest of every worker's ``seconds`` (this worker's on one machine).
+
+        In a synchronous job a step ends on every worker together, but a worker
+        whose callbacks take longer (the chief printing progress) leaves the others
+        waiting inside their steps; each worker's clock alone would give a different
+        rate. The job's figure uses the slowest worker's time, the same everywhere.
+        """
+        strategy = self.model.distribute_strategy
+        if getattr(strategy, "num_workers", 1) <= 1:
+            return seconds
+        if self._max_fn is None:
+
+            @tf.function
+            def longest(value):
+                per_replica = strategy.run(lambda v: all_reduce(v, "max"), args=(value,))
+                return strategy.experimental_local_results(per_replica)[0]
+
+            self._max_fn = longest
+        return float(self._max_fn(tf.constant(seconds, tf.float64)))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._done = (0, 0.0)  # steps and examples done this epoch
@@ -413,6 +201,7 @@ class Throughput(_ConfigFromArguments):
             seconds, steps, examples = self._first
         else:
             return
+        seconds = self._job_seconds(seconds)
         if seconds <= 0 or steps <= 0 or examples <= 0:
             return
         rate = examples / seconds
@@ -427,10 +216,6 @@ class Throughput(_ConfigFromArguments):
         if logs is not None:
             logs.update(values)
         self.last = values
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """Raised by :class:`ReplicaConsistencyCheck` when replica copies differ."""
 
 
 def _mirrored_variables(model, include_optimizer: bool) -> list:
@@ -479,7 +264,7 @@ class ReplicaConsistencyCheck(_ConfigFromArguments):
     sends 8 bytes per variable. Variables synchronised on read (metrics,
     gradient accumulators) differ per replica by design and are not checked.
 
-    On a mismatch it raises :class:`ReplicaDivergenceError` naming the first
+    On a mismatch it raises `ReplicaDivergenceError` naming the first
     variable that diverged (model weights first, then optimizer variables), the
     two replicas and, when both are local, the largest difference.
 
@@ -508,13 +293,9 @@ class ReplicaConsistencyCheck(_ConfigFromArguments):
 
     def __init__(self, every_n_steps: int = 100, *, include_optimizer: bool = True, check_at_end: bool = True):
         super().__init__()
-        self.every_n_steps = _check_positive_int("every_n_steps", every_n_steps)
-        if not isinstance(include_optimizer, bool):
-            raise TypeError(f"include_optimizer must be True or False, got {include_optimizer!r}.")
-        if not isinstance(check_at_end, bool):
-            raise TypeError(f"check_at_end must be True or False, got {check_at_end!r}.")
-        self.include_optimizer = include_optimizer
-        self.check_at_end = check_at_end
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
+        self.include_optimizer = check_bool("include_optimizer", include_optimizer)
+        self.check_at_end = check_bool("check_at_end", check_at_end)
         self.checks_done = 0
         self._fn = None
         self._variables = None
@@ -560,7 +341,7 @@ class ReplicaConsistencyCheck(_ConfigFromArguments):
         self._fn = fingerprints
 
     def check(self, step: int | None = None) -> None:
-        """Runs the check now; raises :class:`ReplicaDivergenceError` on a mismatch.
+        """Runs the check now; raises `ReplicaDivergenceError` on a mismatch.
 
         Example:
             ```python
@@ -598,3 +379,14 @@ class ReplicaConsistencyCheck(_ConfigFromArguments):
                 "per-replica updates (random ops, assign() on a mirrored variable from one "
                 "replica, non-deterministic layers) touching this variable."
             )
+
+
+def __getattr__(name: str):
+    if name == "LearningRateWarmup":
+        raise AttributeError(
+            "keras_replicator.callbacks.LearningRateWarmup was removed: the warmup is a learning-rate "
+            "schedule now, keras_replicator.schedules.LinearScalingWarmup(base_learning_rate, "
+            "global_batch_size, warmup_steps=...), given to the optimizer (it follows "
+            "optimizer.iterations, so it resumes from checkpoints)."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

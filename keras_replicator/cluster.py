@@ -2,7 +2,7 @@
 
 A multi-worker job is described by ``TF_CONFIG`` (Kubeflow, the launcher), by
 Slurm's environment (``srun``), or by an explicit
-``tf.distribute.cluster_resolver.ClusterResolver``; :func:`resolve_cluster`
+``tf.distribute.cluster_resolver.ClusterResolver``; `resolve_cluster`
 picks and checks it, so that a malformed description fails with a clear message
 before any worker waits for another.
 """
@@ -10,20 +10,24 @@ before any worker waits for another.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import tensorflow as tf
 
-from keras_replicator import _tf_internal
+from keras_replicator._compat.coordination import tensorflow_initialized
+from keras_replicator._validation import check_int
+from keras_replicator.errors import (
+    ClusterConfigError,
+    DeviceConfigurationError,
+)
 
 _T = TypeVar("_T")
 
 
-class DeviceConfigurationError(RuntimeError):
-    """Raised when devices can no longer be configured (TensorFlow already started)."""
 
 
 def simulate_devices(n: int) -> list[str]:
@@ -32,6 +36,10 @@ def simulate_devices(n: int) -> list[str]:
     Call it at the top of a program, before anything makes TensorFlow create its
     runtime (building a tensor, a model, a strategy, or listing logical devices).
     Calling it again with the same ``n`` is harmless.
+
+    Under ``keras-replicator launch --devices-per-worker K`` the launcher's ``K``
+    wins: a call with another ``n`` simulates ``K`` devices and logs one warning
+    saying so, so the same script runs alone and under the launcher.
 
     Example:
         ```python
@@ -51,11 +59,22 @@ def simulate_devices(n: int) -> list[str]:
         DeviceConfigurationError: TensorFlow was already initialised with a
             different number of CPU devices.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
+    n = check_int("n", n, minimum=1)
+    launcher = _devices_per_worker_from_env()
+    if launcher is not None and launcher != n:
+        logging.getLogger(__name__).warning(
+            "keras_replicator: simulate_devices(%d) ignored: the launcher's --devices-per-worker "
+            "(%s=%d) applies, so this worker simulates %d CPU devices.",
+            n, DEVICES_PER_WORKER_ENV, launcher, launcher,
+        )
+        n = launcher
+    return _simulate(n)
+
+
+def _simulate(n: int) -> list[str]:
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
-    if _tf_internal.tensorflow_initialized():
+    if tensorflow_initialized():
         have = len(current) if current else 1
         if have != n:
             raise DeviceConfigurationError(
@@ -75,7 +94,7 @@ def local_devices() -> list[str]:
     """The devices a local ``ReplicatorStrategy`` uses by default.
 
     Every local GPU if there is one, else every logical CPU device (one, unless
-    :func:`simulate_devices` split it).
+    `simulate_devices` split it).
 
     Example:
         ```python
@@ -97,43 +116,18 @@ def local_devices() -> list[str]:
 DEVICES_PER_WORKER_ENV = "KERAS_REPLICATOR_DEVICES_PER_WORKER"
 # Optional first port of a Slurm job's workers on each node (see slurm_cluster).
 SLURM_PORT_BASE_ENV = "KERAS_REPLICATOR_SLURM_PORT_BASE"
+# How many tasks of a Slurm job step are parameter servers (AsyncReplicatorStrategy).
+SLURM_NUM_PS_ENV = "KERAS_REPLICATOR_SLURM_NUM_PS"
 
-# Jobs of a TF_CONFIG cluster that take part in synchronous all-reduce training.
+# Jobs of a TF_CONFIG cluster that take part in synchronous all-reduce training,
+# and in asynchronous parameter-server training (AsyncReplicatorStrategy).
 _TRAINING_JOBS = ("chief", "worker")
+_PS_JOBS = ("chief", "worker", "ps")
 _ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
 
 
-class ClusterConfigError(ValueError):
-    """The cluster description (``TF_CONFIG``, Slurm, a resolver) is malformed."""
 
 
-class ClusterStartupError(RuntimeError):
-    """The workers of a multi-worker job could not connect to each other in time."""
-
-
-class WorkerLostError(tf.errors.UnavailableError):
-    """A worker of a multi-worker job stopped responding; training stopped.
-
-    A subclass of ``tf.errors.UnavailableError``, so handlers of TensorFlow's
-    own error keep working. ``lost_workers`` names the workers that were lost,
-    e.g. ``["worker 1 (/job:worker/task:1 at 10.0.0.2:2222)"]``.
-
-    Example:
-        ```python
-        try:
-            model.fit(data, epochs=10, callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
-        except kr.WorkerLostError as e:
-            print("lost:", e.lost_workers)   # restart the job: it resumes from the backup
-            raise
-        ```
-    """
-
-    def __init__(self, message: str, lost_workers: Sequence[str] = ()):
-        super().__init__(None, None, message)
-        self.lost_workers = list(lost_workers)
-
-    def __reduce__(self):
-        return type(self), (self.message, self.lost_workers)
 
 
 def _check_address(address, where: str) -> str:
@@ -145,21 +139,32 @@ def _check_address(address, where: str) -> str:
     return address
 
 
-def _check_cluster(cluster, task_type, task_id, source: str) -> None:
-    """Validates a cluster dict {job: [address, ...]} and this task's place in it."""
+def _check_cluster(cluster, task_type, task_id, source: str, parameter_servers: bool = False) -> None:
+    """Validates a cluster dict {job: [address, ...]} and this task's place in it.
+
+    ``parameter_servers``: the cluster of an ``AsyncReplicatorStrategy`` (one
+    "chief", one or more "worker" and "ps" tasks) instead of a synchronous one.
+    """
     if not isinstance(cluster, dict) or not cluster:
         raise ClusterConfigError(
             f'{source}: "cluster" must be an object such as {{"worker": ["host1:2222", "host2:2222"]}}, '
             f"got {cluster!r}."
         )
     for job, addresses in cluster.items():
-        if job == "ps":
+        if job == "ps" and not parameter_servers:
             raise ClusterConfigError(
                 f'{source}: the cluster has "ps" (parameter server) tasks. ReplicatorStrategy trains '
                 'synchronously with all-reduce: describe the machines as "worker" tasks (and '
-                'optionally one "chief").'
+                'optionally one "chief"), or use kr.AsyncReplicatorStrategy for asynchronous '
+                "training with parameter servers."
             )
-        if job not in _TRAINING_JOBS:
+        if job not in (_PS_JOBS if parameter_servers else _TRAINING_JOBS):
+            if parameter_servers:
+                raise ClusterConfigError(
+                    f'{source}: job {job!r} is not supported by AsyncReplicatorStrategy; its cluster '
+                    'has one "chief", one or more "worker" and one or more "ps" (parameter server) '
+                    "tasks. Evaluate in the chief (model.evaluate), or in a separate program."
+                )
             raise ClusterConfigError(
                 f'{source}: job {job!r} is not supported; use "worker" (and optionally one "chief"). '
                 "An evaluator does not take part in training: evaluate in the chief, or in a separate "
@@ -173,6 +178,17 @@ def _check_cluster(cluster, task_type, task_id, source: str) -> None:
             _check_address(a, f'{source}: cluster["{job}"][{i}]')
     if len(cluster.get("chief", [])) > 1:
         raise ClusterConfigError(f'{source}: there can be only one "chief", got {cluster["chief"]}.')
+    if parameter_servers:
+        missing = [job for job in _PS_JOBS if job not in cluster]
+        if missing:
+            what = {"chief": 'one "chief" (the task that runs the training script\'s loop)',
+                    "worker": 'at least one "worker"',
+                    "ps": 'at least one "ps" (parameter server: it holds the variables)'}
+            raise ClusterConfigError(
+                f"{source}: AsyncReplicatorStrategy needs {' and '.join(what[j] for j in missing)}; "
+                f"the cluster has {sorted(cluster)}. Launch with e.g. --workers 2 --ps 1, or use "
+                "kr.ReplicatorStrategy for synchronous training without parameter servers."
+            )
     everything = [a for job in cluster for a in cluster[job]]
     duplicates = sorted({a for a in everything if everything.count(a) > 1})
     if duplicates:
@@ -191,6 +207,8 @@ def _check_cluster(cluster, task_type, task_id, source: str) -> None:
 
 def tf_config_cluster(
     tf_config: str | None = None,
+    *,
+    parameter_servers: bool = False,
 ) -> tf.distribute.cluster_resolver.ClusterResolver | None:
     """The cluster that ``TF_CONFIG`` describes, checked; ``None`` if there is none.
 
@@ -213,6 +231,9 @@ def tf_config_cluster(
     Args:
         tf_config: the JSON text; ``None`` reads the ``TF_CONFIG`` environment
             variable.
+        parameter_servers: check it as the cluster of an ``AsyncReplicatorStrategy``:
+            one ``"chief"``, one or more ``"worker"`` and ``"ps"`` tasks, and no
+            other job.
 
     Returns:
         A ``tf.distribute.cluster_resolver.SimpleClusterResolver``, or ``None``
@@ -252,7 +273,7 @@ def tf_config_cluster(
     rpc_layer = config.get("rpc_layer", "grpc")
     if rpc_layer != "grpc":
         raise ClusterConfigError(f'TF_CONFIG "rpc_layer" must be "grpc", got {rpc_layer!r}.')
-    _check_cluster(config["cluster"], task["type"], task["index"], "TF_CONFIG")
+    _check_cluster(config["cluster"], task["type"], task["index"], "TF_CONFIG", parameter_servers)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(config["cluster"]),
         task_type=task["type"],
@@ -309,6 +330,8 @@ def _read_slurm(env: Mapping[str, str], name: str, parse: Callable[[str], _T], f
 
 def slurm_cluster(
     environ: Mapping[str, str] | None = None,
+    *,
+    num_ps: int | None = 0,
 ) -> tf.distribute.cluster_resolver.ClusterResolver | None:
     """The cluster of the current Slurm job step (``srun``); ``None`` outside one.
 
@@ -326,8 +349,14 @@ def slurm_cluster(
         strategy = kr.ReplicatorStrategy()   # finds the Slurm cluster by itself
         ```
 
+    With ``num_ps > 0`` (the cluster of an ``AsyncReplicatorStrategy``), task 0
+    is the chief, tasks ``1 .. num_ps`` the parameter servers (``ps`` 0 ..
+    ``num_ps - 1``) and the rest the workers, at the same addresses.
+
     Args:
         environ: the environment to read (default ``os.environ``).
+        num_ps: how many of the tasks are parameter servers (0: every task is a
+            worker). ``None`` reads ``KERAS_REPLICATOR_SLURM_NUM_PS`` (default 0).
 
     Returns:
         A ``SimpleClusterResolver``, or ``None`` when not in a Slurm job step
@@ -377,6 +406,27 @@ def slurm_cluster(
             f"Slurm task {rank} runs on {me!r}, but block placement puts it on {owner[rank]!r}. "
             "Start the job step with srun --distribution=block (the default)."
         )
+    if num_ps is None:
+        value = env.get(SLURM_NUM_PS_ENV, "0").strip() or "0"
+        if not value.isdigit():
+            raise ClusterConfigError(f"{SLURM_NUM_PS_ENV}={value!r} must be a non-negative integer.")
+        num_ps = int(value)
+    if num_ps:
+        if num_tasks < num_ps + 2:
+            raise ClusterConfigError(
+                f"A Slurm job step of {num_tasks} tasks cannot hold a chief, {num_ps} parameter "
+                f"server(s) and at least one worker: start at least {num_ps + 2} tasks."
+            )
+        jobs = {"chief": addresses[:1], "ps": addresses[1 : 1 + num_ps], "worker": addresses[1 + num_ps :]}
+        if rank == 0:
+            task_type, task_id = "chief", 0
+        elif rank <= num_ps:
+            task_type, task_id = "ps", rank - 1
+        else:
+            task_type, task_id = "worker", rank - 1 - num_ps
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), task_type=task_type, task_id=task_id, rpc_layer="grpc"
+        )
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({"worker": addresses}), task_type="worker", task_id=rank, rpc_layer="grpc"
     )
@@ -384,6 +434,8 @@ def slurm_cluster(
 
 def resolve_cluster(
     cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
+    *,
+    parameter_servers: bool = False,
 ) -> tf.distribute.cluster_resolver.ClusterResolver | None:
     """The cluster this process belongs to: the argument, else ``TF_CONFIG``, else Slurm.
 
@@ -397,6 +449,9 @@ def resolve_cluster(
     Args:
         cluster_resolver: an explicit ``tf.distribute.cluster_resolver.ClusterResolver``
             (checked like ``TF_CONFIG``).
+        parameter_servers: resolve the cluster of an ``AsyncReplicatorStrategy``
+            (a chief, workers and parameter servers; see `tf_config_cluster`
+            and `slurm_cluster`).
 
     Returns:
         A checked resolver, or ``None`` when nothing describes a cluster.
@@ -405,6 +460,8 @@ def resolve_cluster(
         ClusterConfigError: the description is malformed.
     """
     if cluster_resolver is None:
+        if parameter_servers:
+            return tf_config_cluster(parameter_servers=True) or slurm_cluster(num_ps=None)
         return tf_config_cluster() or slurm_cluster()
     if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
         raise TypeError(
@@ -421,7 +478,7 @@ def resolve_cluster(
     for job, tasks in spec.items():
         if isinstance(tasks, dict):
             raise ClusterConfigError(f"{name}: job {job!r} has sparse task indices {sorted(tasks)}.")
-    _check_cluster(spec, cluster_resolver.task_type, cluster_resolver.task_id, name)
+    _check_cluster(spec, cluster_resolver.task_type, cluster_resolver.task_id, name, parameter_servers)
     return cluster_resolver
 
 
@@ -440,12 +497,21 @@ def task_names(cluster_spec: tf.train.ClusterSpec) -> dict[str, str]:
     return names
 
 
+def _devices_per_worker_from_env() -> int | None:
+    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
+    return int(value)
+
+
 def simulate_devices_from_env() -> int | None:
     """Applies ``KERAS_REPLICATOR_DEVICES_PER_WORKER`` (set by the launcher), if set.
 
     ``ReplicatorStrategy`` calls this when it is created, so that a script
     started with ``keras-replicator launch --devices-per-worker K`` gets ``K``
-    CPU devices per worker without calling :func:`simulate_devices` itself.
+    CPU devices per worker without calling `simulate_devices` itself.
 
     Example:
         ```python
@@ -458,15 +524,13 @@ def simulate_devices_from_env() -> int | None:
     Returns:
         The number of devices simulated, or ``None`` when the variable is unset.
     """
-    value = os.environ.get(DEVICES_PER_WORKER_ENV, "").strip()
-    if not value:
+    value = _devices_per_worker_from_env()
+    if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ClusterConfigError(f"{DEVICES_PER_WORKER_ENV}={value!r} must be a positive integer.")
     try:
-        simulate_devices(int(value))
+        _simulate(value)
     except DeviceConfigurationError as e:
         raise DeviceConfigurationError(
             f"{DEVICES_PER_WORKER_ENV}={value} asks for {value} CPU devices per worker, but {e}"
         ) from None
-    return int(value)
+    return value

@@ -2,10 +2,11 @@
 
 Call them inside ``strategy.run`` or anywhere Keras runs per replica (``call``,
 ``train_step``). Outside a replica of a multi-replica strategy they behave as on
-a single replica: ``all_reduce(x)`` is ``x``, ``replica_id()`` is 0,
-``num_replicas()`` is 1. They accept a tensor or a nested structure of tensors
-(reduced together, in one collective where TensorFlow can pack them) and are
-differentiable.
+a single replica: ``all_reduce(x)`` is ``x``, ``replica_id()`` is 0. Only
+``num_replicas()`` answers the job's count everywhere: in a strategy's scope it is
+that strategy's replica count (1 outside any strategy). They accept a tensor or a
+nested structure of tensors (reduced together, in one collective where TensorFlow
+can pack them) and are differentiable.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
+
+from keras_replicator._validation import check_int
 
 _OPS = ("sum", "mean", "max", "min")
 
@@ -22,17 +25,36 @@ def _replica_context() -> tf.distribute.ReplicaContext | None:
     return tf.distribute.get_replica_context()
 
 
+def replicas_in_step() -> int:
+    """Replicas taking part in the current step: 1 outside a replica function (internal).
+
+    The primitives and global batch norm use this count, since outside a replica
+    function they act as on one replica.
+    """
+    ctx = _replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
 def num_replicas() -> int:
-    """Number of replicas taking part in the current step, across all workers.
+    """Number of replicas of the job, across all workers.
+
+    In a replica function, the replicas taking part in the current step; in a
+    strategy's scope (a cross-replica context), that strategy's
+    ``num_replicas_in_sync``. Outside any strategy it is 1.
 
     Example:
         ```python
         def replica_step(x):
             return kr.all_reduce(x, "sum") / kr.num_replicas()   # == mean
+
+        with strategy.scope():
+            global_batch = 32 * kr.num_replicas()   # 32 examples per replica
         ```
     """
     ctx = _replica_context()
-    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+    if ctx is None:  # cross-replica context: the strategy of the enclosing scope
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    return int(ctx.num_replicas_in_sync)
 
 
 def replica_id() -> tf.Tensor:
@@ -64,8 +86,7 @@ def _check_op(op: str) -> str:
 def _check_group_size(group_size: int | None, n: int) -> int | None:
     if group_size is None or group_size == n:
         return None
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+    check_int("group_size", group_size, minimum=1)
     if n % group_size:
         raise ValueError(
             f"group_size={group_size} does not divide the number of replicas ({n}); "
@@ -157,11 +178,8 @@ def broadcast(x: Any, source_replica: int = 0) -> Any:
         x: a tensor or nested structure of tensors, same shapes on every replica.
         source_replica: the global index of the replica whose value is sent.
     """
-    n = num_replicas()
-    if isinstance(source_replica, bool) or not isinstance(source_replica, int) or not (
-        0 <= source_replica < n
-    ):
-        raise ValueError(f"source_replica must be an integer in [0, {n}), got {source_replica!r}.")
+    n = replicas_in_step()
+    check_int("source_replica", source_replica, minimum=0, maximum=n - 1)
     if n == 1:
         return x
     is_source = tf.equal(replica_id(), source_replica)

@@ -1,6 +1,6 @@
 """Input pipelines for replicated training: sharding, batch semantics, uneven batches.
 
-``ReplicatorStrategy.distribute_dataset`` (or :func:`distribute_dataset`, for any
+``ReplicatorStrategy.distribute_dataset`` (or `distribute_dataset`, for any
 ``tf.distribute`` strategy) turns one dataset, or one TF-Replicator style
 ``input_fn(input_context)``, into what ``model.fit`` and ``strategy.run`` loops
 consume, with these guarantees:
@@ -58,7 +58,8 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator import _tf_internal
+from keras_replicator._compat import tf_data
+from keras_replicator._validation import check_bool, check_choice, check_int
 
 __all__ = [
     "SHARD_POLICIES",
@@ -80,23 +81,6 @@ _AUTOTUNE = tf.data.AUTOTUNE
 
 
 # --- argument checks ------------------------------------------------------------
-
-
-def _check_positive_int(name: str, value) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-def _check_optional_bool(name: str, value) -> None:
-    if value is not None and not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True, False or None, got {value!r}.")
-
-
-def _check_seed(seed) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-        raise TypeError(f"seed must be an integer or None, got {seed!r}.")
 
 
 def _resolve_global_batch(global_batch_size, per_replica_batch_size, num_replicas: int) -> int:
@@ -150,9 +134,7 @@ def pipeline_seed(seed: int, input_context: tf.distribute.InputContext) -> int:
     Returns:
         A seed in ``[0, 2**31)``.
     """
-    _check_seed(seed)
-    if seed is None:
-        raise TypeError("pipeline_seed needs an integer seed, got None.")
+    check_int("seed", seed)
     state = np.random.SeedSequence([int(seed) & 0xFFFF_FFFF, input_context.input_pipeline_id])
     return int(state.generate_state(1, dtype=np.uint32)[0] & 0x7FFF_FFFF)
 
@@ -327,7 +309,7 @@ def _pipeline(
     if pipelines > 1 and policy in ("file", "off") and batched and global_batch is None:
         policy = "data"  # batches of unknown size cannot be re-batched per pipeline
     if policy == "file" and pipelines > 1:
-        dataset = _tf_internal.auto_shard(dataset, pipelines, index, num_replicas)
+        dataset = tf_data.auto_shard(dataset, pipelines, index, num_replicas)
     # Data sharding: every pipeline reads all global batches and keeps its replicas' slices,
     # so that all pipelines run the same number of steps.
     slice_level = policy == "data" and pipelines > 1
@@ -399,11 +381,11 @@ def _pipeline(
         pieces = pieces.apply(tf.data.experimental.assert_cardinality(count * local))
 
     # distribute_datasets_from_function never auto-shards, so TensorFlow's AUTO->DATA warning
-    # cannot occur. Autotuning and order are TensorFlow's defaults; a user's explicit choice stays.
+    # cannot occur. Order is TensorFlow's default; a user's explicit choice stays. Autotuning is
+    # left unset (TensorFlow's default: on) so that ReplicatorStrategy can turn it off over CPU
+    # replicas, where its thread stalled every epoch (issue 21, _compat/multi_device_iterator.py).
     current = pieces.options()
     options = tf.data.Options()
-    if current.autotune.enabled is None:
-        options.autotune.enabled = True
     if current.deterministic is None:
         options.deterministic = True
     return pieces.prefetch(_AUTOTUNE).with_options(options)
@@ -423,10 +405,10 @@ def _choose_policy(policy: str, dataset: tf.data.Dataset, from_fn: bool, pipelin
     if policy == "auto":
         if from_fn or pipelines == 1:
             return "off"  # an input_fn shards itself with its input_context
-        files = _tf_internal.count_source_files(dataset)
+        files = tf_data.count_source_files(dataset)
         return "file" if files is not None and files >= pipelines else "data"
     if policy == "file":
-        files = _tf_internal.count_source_files(dataset)
+        files = tf_data.count_source_files(dataset)
         if files is None:
             raise ValueError(
                 "shard_policy='file' could not find the files this dataset reads (it looks for "
@@ -453,7 +435,7 @@ def _check_context(input_context: tf.distribute.InputContext) -> int:
 
 @dataclasses.dataclass
 class InputFn:
-    """The ``input_fn(input_context) -> tf.data.Dataset`` built by :func:`make_input_fn`.
+    """The ``input_fn(input_context) -> tf.data.Dataset`` built by `make_input_fn`.
 
     Calling it builds one input pipeline's dataset of **per-replica** batches,
     as ``tf.distribute.Strategy.distribute_datasets_from_function`` expects:
@@ -501,7 +483,7 @@ class InputFn:
             dataset = self.source
 
         # Batched or not; an input_fn's batches are per replica (TensorFlow's convention).
-        found = _tf_internal.find_batch(dataset)
+        found = tf_data.find_batch(dataset)
         batched = self.batched if self.batched is not None else found is not None
         source_batch, source_drops = found if (found and batched) else (None, None)
         expected = per_replica if from_fn else global_batch
@@ -569,7 +551,7 @@ class _KerasInputFn:
 
     def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         self.local_replicas = _check_context(input_context)
-        found = _tf_internal.find_batch(self.dataset)
+        found = tf_data.find_batch(self.dataset)
         source_batch, source_drops = found if found else (_static_batch(self.dataset.element_spec), None)
         policy = _choose_policy(
             _policy_from_options(self.dataset), self.dataset, False, int(input_context.num_input_pipelines)
@@ -600,12 +582,12 @@ def make_input_fn(
     seed: int | None = None,
     batched: bool | None = None,
 ) -> InputFn:
-    """The ``input_fn`` behind :func:`distribute_dataset`, for use with any strategy.
+    """The ``input_fn`` behind `distribute_dataset`, for use with any strategy.
 
     ``strategy.distribute_datasets_from_function(make_input_fn(...))`` gives the
     same data as ``distribute_dataset``; calling the result with a
     ``tf.distribute.InputContext`` shows what one input pipeline (worker) reads.
-    Arguments as for :func:`distribute_dataset`; those that need the number of
+    Arguments as for `distribute_dataset`; those that need the number of
     replicas are checked when the function is called.
 
     Example:
@@ -615,7 +597,7 @@ def make_input_fn(
         ```
 
     Returns:
-        An :class:`InputFn`.
+        An `InputFn`.
     """
     if not isinstance(dataset_or_fn, tf.data.Dataset) and not callable(dataset_or_fn):
         raise TypeError(
@@ -624,16 +606,18 @@ def make_input_fn(
         )
     if isinstance(dataset_or_fn, tf.distribute.DistributedDataset):
         raise TypeError("This dataset is already distributed; pass the tf.data.Dataset it came from.")
-    _check_positive_int("global_batch_size", global_batch_size)
-    _check_positive_int("per_replica_batch_size", per_replica_batch_size)
+    check_int("global_batch_size", global_batch_size, minimum=1, optional=True)
+    check_int("per_replica_batch_size", per_replica_batch_size, minimum=1, optional=True)
     if (global_batch_size is None) == (per_replica_batch_size is None):
         _resolve_global_batch(global_batch_size, per_replica_batch_size, 1)  # raises the message
-    if not isinstance(shard_policy, str) or shard_policy.lower() not in SHARD_POLICIES:
-        raise ValueError(f"shard_policy must be one of {SHARD_POLICIES}, got {shard_policy!r}.")
-    _check_optional_bool("drop_remainder", drop_remainder)
-    _check_optional_bool("batched", batched)
-    _check_positive_int("shuffle_buffer_size", shuffle_buffer_size)
-    _check_seed(seed)
+    check_choice(
+        "shard_policy", shard_policy.lower() if isinstance(shard_policy, str) else shard_policy,
+        SHARD_POLICIES,
+    )
+    check_bool("drop_remainder", drop_remainder, optional=True)
+    check_bool("batched", batched, optional=True)
+    check_int("shuffle_buffer_size", shuffle_buffer_size, minimum=1, optional=True)
+    check_int("seed", seed, optional=True)
     return InputFn(
         source=dataset_or_fn,
         global_batch_size=None if global_batch_size is None else int(global_batch_size),
@@ -656,7 +640,7 @@ def _distribute(strategy: tf.distribute.Strategy, input_fn: InputFn, options) ->
     distributed = strategy.distribute_datasets_from_function(input_fn, options)
     cardinality = int(distributed.cardinality)
     if cardinality > 0 and input_fn.local_replicas:
-        _tf_internal.set_distributed_cardinality(distributed, np.int64(cardinality // input_fn.local_replicas))
+        tf_data.set_distributed_cardinality(distributed, np.int64(cardinality // input_fn.local_replicas))
     return distributed
 
 
@@ -676,7 +660,7 @@ def distribute_dataset(
     """Distributes a dataset or an ``input_fn`` over the replicas of ``strategy``.
 
     Usually called as ``strategy.distribute_dataset(...)`` on a
-    :class:`~keras_replicator.ReplicatorStrategy`; this function works with any
+    `ReplicatorStrategy`; this function works with any
     ``tf.distribute`` strategy that has ``distribute_datasets_from_function``.
 
     Example:
@@ -721,7 +705,7 @@ def distribute_dataset(
             sharding, before batching) with this buffer, reshuffled every epoch.
         seed: seed of that shuffle. Pipelines holding different data (file
             sharding, an ``input_fn``) get different seeds derived from it
-            (:func:`pipeline_seed`); with data sharding all use it as is, as they
+            (`pipeline_seed`); with data sharding all use it as is, as they
             must agree. Required for data sharding across several pipelines.
         batched: whether the dataset is already batched; ``None`` detects it
             from the dataset's last transformations.

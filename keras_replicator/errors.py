@@ -1,9 +1,10 @@
 """The exceptions keras_replicator raises for users to catch.
 
-Bad arguments raise the built-in `ValueError` / `TypeError` (see
-`keras_replicator._validation`); what is here are the conditions a program may
-want to handle on their own: a broken cluster description, a cluster that did not
-come up or lost a worker, devices configured too late, replicas that diverged.
+A bad argument raises `ArgumentError`, which is both a `ValueError` and a
+`TypeError`, so code that catches either keeps working. The others are the
+conditions a program may want to handle on their own: a broken cluster
+description, a cluster that did not come up or lost a worker, devices configured
+too late, replicas that diverged.
 
 Example:
     ```python
@@ -22,10 +23,14 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from keras_replicator._validation import ArgumentError
+
 __all__ = [
+    "ArgumentError",
     "ClusterConfigError",
     "ClusterStartupError",
     "DeviceConfigurationError",
+    "ParameterServerLostError",
     "ReplicaDivergenceError",
     "WorkerLostError",
 ]
@@ -66,6 +71,35 @@ class WorkerLostError(tf.errors.UnavailableError):
 
     def __reduce__(self):
         return type(self), (self.message, self.lost_workers)
+
+
+class ParameterServerLostError(tf.errors.UnavailableError):
+    """A parameter server of an asynchronous job stopped responding; training stopped.
+
+    Raised on the chief by `model.fit` (and `evaluate`, `predict`, `save`) under
+    `AsyncReplicatorStrategy`. The variables it held are gone, so the job
+    cannot go on: restart every task; `keras.callbacks.BackupAndRestore`
+    resumes from the last saved epoch. A subclass of
+    `tf.errors.UnavailableError`; `lost_parameter_servers` names the lost
+    tasks, e.g. `["ps 0 (/job:ps/task:0 at 10.0.0.3:2222)"]`.
+
+    Example:
+        ```python
+        try:
+            model.fit(train, epochs=10, steps_per_epoch=100,
+                      callbacks=[keras.callbacks.BackupAndRestore("/shared/backup")])
+        except kr.errors.ParameterServerLostError as e:
+            print("lost:", e.lost_parameter_servers)   # restart the job to resume
+            raise
+        ```
+    """
+
+    def __init__(self, message: str, lost_parameter_servers: Sequence[str] = ()):
+        super().__init__(None, None, message)
+        self.lost_parameter_servers = list(lost_parameter_servers)
+
+    def __reduce__(self):
+        return type(self), (self.message, self.lost_parameter_servers)
 
 
 class ReplicaDivergenceError(RuntimeError):

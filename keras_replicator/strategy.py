@@ -1,45 +1,36 @@
-"""``ReplicatorStrategy``: a ``tf.distribute.Strategy`` that makes Keras 3 replicate.
+"""`ReplicatorStrategy`: a `tf.distribute.Strategy` that makes Keras 3 replicate.
 
-A researcher writes ordinary Keras code under ``strategy.scope()``; ``fit``,
-``evaluate`` and ``predict`` then run data-parallel over every local device. The
-replication engine is TensorFlow's own (``MirroredExtended``: one thread per
+A researcher writes ordinary Keras code under `strategy.scope()`; `fit`,
+`evaluate` and `predict` then run data-parallel over every local device. The
+replication engine is TensorFlow's own (`MirroredExtended`: one thread per
 replica tracing into one graph, collective or reduction-to-one-device all-reduces).
 What this module adds is what Keras 3 needs from it and does not get from the
-stock strategies (see ``_tf_internal`` for the details):
+stock strategies (the engines and patches are in `keras_replicator._compat`):
 
-* ``steps_per_execution > 1`` with 2+ replicas works (keras-team/keras#19246);
+* `steps_per_execution > 1` with 2+ replicas works (keras-team/keras#19246);
 * every strategy instance gets its own collective keys, so several strategies
   over different devices can live in one process (tests, notebooks);
 * the defaults a laptop user expects: every GPU, else every logical CPU device.
 
-When ``TF_CONFIG``, Slurm or a ``cluster_resolver`` describes a cluster of
+When `TF_CONFIG`, Slurm or a `cluster_resolver` describes a cluster of
 several workers, the strategy replicates between graphs across them with
-TensorFlow's ``CollectiveAllReduceExtended`` (ring over gRPC on CPUs, NCCL on
-GPUs), with the same fixes plus what Keras 3 lacks there: ``predict`` returns
+TensorFlow's `CollectiveAllReduceExtended` (ring over gRPC on CPUs, NCCL on
+GPUs), with the same fixes plus what Keras 3 lacks there: `predict` returns
 every worker's rows, metrics are global, the failure of one worker stops the
-others with :class:`~keras_replicator.cluster.WorkerLostError` within
-``failure_timeout`` seconds, and checkpoints are written by the chief only.
+others with `WorkerLostError` within `failure_timeout` seconds, and checkpoints
+are written by the chief only.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import re
 from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_replicator import _tf_internal, cluster, data, layers
-from keras_replicator.layers import batch_normalization  # noqa: F401 (install_batch_norm_guard)
-
-# Each strategy instance gets a disjoint range of collective group keys. Workers
-# of one job create their strategies in the same order, so they agree.
-_COLLECTIVE_KEY_STRIDE = 100_000
-_instance_counter = itertools.count(1)
-# The cluster this process joined (its TensorFlow server runs for good): later
-# multi-worker strategies of the same cluster reuse it.
-_joined_cluster: tuple | None = None
+from keras_replicator import _compat, cluster, data
+from keras_replicator._compat import engines, keras_trainer
+from keras_replicator._validation import check_choice, check_number
+from keras_replicator.cross_device_ops import default_cross_device_ops
 
 _COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -91,186 +82,6 @@ def _normalise_devices(devices) -> list[str]:
     return names
 
 
-# Tensors at least this large are summed by a tree of pairwise adds spread over
-# the replicas' devices; smaller ones by one add_n (fewer ops). Measured on 4
-# simulated CPU devices (benchmarks/): the tree wins from ~32 MB on.
-_TREE_SUM_MIN_BYTES = 32 * 2**20
-
-
-def _sum_on_host(values: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Sums one tensor per replica: the accumulation of the default CPU all-reduce."""
-    values = list(values)
-    size = values[0].shape.num_elements()
-    if len(values) < 3 or size is None or size * values[0].dtype.size < _TREE_SUM_MIN_BYTES:
-        return tf.math.add_n(values)
-    while len(values) > 1:
-        pairs = []
-        for left, right in zip(values[0::2], values[1::2]):
-            with tf.device(left.device):
-                pairs.append(left + right)
-        values = pairs + values[2 * len(pairs):]
-    return values[0]
-
-
-# Tensors smaller than this are packed together (see PackedReductionToOneDevice);
-# larger ones are reduced alone, where the copy into a pack would cost more than
-# the ops it saves.
-_PACK_MAX_BYTES = 2**20
-
-
-class PackedReductionToOneDevice(tf.distribute.ReductionToOneDevice):
-    """``ReductionToOneDevice`` that reduces a batch of small tensors as one.
-
-    A batch reduction (a model's gradients, a nest given to
-    :func:`~keras_replicator.all_reduce`) of many small tensors is dominated by
-    per-tensor costs: for each tensor, a transfer from every replica's device to
-    the reducing one, an add, and a transfer back. This class flattens and
-    concatenates the small dense tensors of a batch on each replica's device,
-    reduces that one tensor, and splits the result on each destination device,
-    so those costs are paid once per batch. Tensors of 1 MB or more (where the
-    copy into the pack would cost more than it saves), sparse values and tensors
-    of unknown shape are reduced one by one, as ``ReductionToOneDevice`` does.
-    Results are the same sums, in the same order of addition: bitwise those of
-    ``ReductionToOneDevice``.
-
-    Example:
-        ```python
-        strategy = kr.ReplicatorStrategy(
-            cross_device_ops=kr.strategy.PackedReductionToOneDevice())
-        ```
-    """
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        results: list = [None] * len(value_destination_pairs)
-        packs: dict[tuple, list[int]] = {}
-        for i, (value, destinations) in enumerate(value_destination_pairs):
-            key = self._pack_key(value, destinations)
-            # A value that cannot be packed is a pack of its own.
-            packs.setdefault(("alone", i) if key is None else key, []).append(i)
-        for members in packs.values():
-            if len(members) == 1:
-                value, destinations = value_destination_pairs[members[0]]
-                results[members[0]] = self.reduce_implementation(
-                    reduce_op, value, destinations, options)
-                continue
-            values = [value_destination_pairs[i][0] for i in members]
-            shapes = [v.values[0].shape for v in values]
-            sizes = [s.num_elements() for s in shapes]
-            flat = []
-            for replica_values in zip(*(v.values for v in values)):
-                with tf.device(replica_values[0].device):
-                    flat.append(tf.concat([tf.reshape(t, [-1]) for t in replica_values], 0))
-            reduced = self.reduce_implementation(
-                reduce_op, _tf_internal.per_replica(flat),
-                value_destination_pairs[members[0]][1], options)
-            # One destination device gives a plain tensor, several a Mirrored value.
-            per_device = reduced.values if _tf_internal.is_distributed_values(reduced) else [reduced]
-            parts_per_device = []
-            for packed in per_device:
-                with tf.device(packed.device):
-                    parts_per_device.append([
-                        tf.reshape(part, shape)
-                        for part, shape in zip(tf.split(packed, sizes), shapes)
-                    ])
-            for j, i in enumerate(members):
-                results[i] = _tf_internal.mirrored([parts[j] for parts in parts_per_device])
-        return results
-
-    @staticmethod
-    def _pack_key(value, destinations) -> tuple | None:
-        """What a value must share with others to be packed with them, or None."""
-        if not _tf_internal.is_distributed_values(value):
-            return None
-        tensors = value.values
-        if len(tensors) < 2 or not all(isinstance(t, tf.Tensor) for t in tensors):
-            return None  # IndexedSlices, or nothing to reduce
-        shape = tensors[0].shape
-        if not shape.is_fully_defined() or any(t.shape != shape for t in tensors):
-            return None
-        if shape.num_elements() * tensors[0].dtype.size >= _PACK_MAX_BYTES:
-            return None
-        return (tensors[0].dtype, tuple(t.device for t in tensors),
-                _tf_internal.devices_of(destinations))
-
-
-def default_cross_device_ops(devices: Sequence[str] | None) -> tf.distribute.CrossDeviceOps | None:
-    """The all-reduce a one-machine ``ReplicatorStrategy`` uses when given none.
-
-    CPU devices of one process (e.g. from :func:`~keras_replicator.simulate_devices`)
-    share memory, and TensorFlow hands a tensor from one to another without a
-    copy, so summing on the first device and giving every replica the result
-    (``ReductionToOneDevice``, with :func:`_sum_on_host`) beats TensorFlow's
-    default there, a collective ring, by 2-8x in bandwidth (1-64 MB tensors on
-    2-4 devices; see ``docs/performance.md``). Batches of small tensors (a
-    model's gradients) are packed into one reduction
-    (:class:`PackedReductionToOneDevice`). Anything else (GPUs, mixed or
-    remote devices) returns ``None``: TensorFlow's choice, NCCL on GPUs.
-    """
-    specs = [tf.DeviceSpec.from_string(d) for d in devices or ()]
-    if specs and all(
-        (s.device_type or "").upper() == "CPU" and s.job in (None, "localhost") for s in specs
-    ):
-        return PackedReductionToOneDevice(accumulation_fn=_sum_on_host)
-    return None
-
-
-class ReplicatorExtended(_tf_internal.MirroredExtended):
-    """Single-worker replication engine: ``MirroredExtended`` made safe for Keras 3."""
-
-    def __init__(self, container_strategy, devices=None, cross_device_ops=None, communication=None):
-        if cross_device_ops is None and communication is None:
-            cross_device_ops = default_cross_device_ops(devices)
-        # Read by _make_collective_ops_with_fallbacks during super().__init__.
-        self._kr_communication = communication
-        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
-
-    def _make_collective_ops_with_fallbacks(self):
-        ops_obj = super()._make_collective_ops_with_fallbacks()
-        if self._kr_communication is not None and isinstance(
-            ops_obj, _tf_internal.cross_device_ops.CollectiveAllReduce
-        ):
-            # An explicit communication= replaces TensorFlow's choice for the local all-reduce.
-            self._communication_options = tf.distribute.experimental.CommunicationOptions(
-                implementation=self._kr_communication
-            )
-            ops_obj = _tf_internal.cross_device_ops.CollectiveAllReduce(
-                devices=self._devices,
-                group_size=len(self._devices),
-                options=self._communication_options,
-                collective_keys=self._collective_keys,
-            )
-        return _tf_internal.make_control_flow_safe(ops_obj)
-
-    def _initialize_strategy(self, devices):
-        super()._initialize_strategy(devices)
-        # A user-given CollectiveAllReduce needs the same fix as the default one.
-        _tf_internal.make_control_flow_safe(self._cross_device_ops)
-
-
-# TensorFlow's errors when a peer is gone: the coordination service's heartbeat
-# timeout (Unavailable), a closed connection in a collective (Unavailable,
-# Aborted, Cancelled), a restarted peer (FailedPrecondition), or a timeout.
-_PEER_ERRORS = (
-    tf.errors.UnavailableError,
-    tf.errors.AbortedError,
-    tf.errors.CancelledError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.FailedPreconditionError,
-    tf.errors.InternalError,
-)
-_TASK_IN_MESSAGE = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
-
-
-def _first_line(error: Exception) -> str:
-    """The first line of a TensorFlow error's message, without its function-node prefix."""
-    text = re.sub(r"\{\{[^}]*\}\}", "", str(getattr(error, "message", error))).strip()
-    return text.splitlines()[0].strip() if text else type(error).__name__
-
-
-def _tasks_mentioned(error: Exception) -> set[str]:
-    return {f"/job:{j}/replica:0/task:{i}" for j, i in _TASK_IN_MESSAGE.findall(str(error))}
-
-
 def _local_device_names(devices) -> list[str] | None:
     """Checks the form of a multi-worker ``devices=`` argument without starting TensorFlow."""
     if devices is None:
@@ -292,134 +103,30 @@ def _local_device_names(devices) -> list[str] | None:
     return out
 
 
-class ReplicatorMultiWorkerExtended(_tf_internal.CollectiveAllReduceExtended):
-    """Multi-worker replication engine: ``CollectiveAllReduceExtended`` made safe for Keras 3.
+class _ScopeWithPatches:
+    """TensorFlow's strategy scope, with the scoped patches applied while it is entered."""
 
-    Between-graph replication: every worker runs the same program over its local
-    devices, and collectives over gRPC join the replicas of all workers. Adds to
-    TensorFlow's engine: execution-ordered collective keys (as the local engine),
-    every logical local device (not only one CPU), bounded waits at start-up and
-    after a failure (the coordination service's timeouts), and naming a lost
-    worker when a step fails because of it.
-    """
+    def __init__(self, tf_scope):
+        self._tf_scope = tf_scope
+        self._patches = None
 
-    def __init__(
-        self,
-        container_strategy,
-        cluster_resolver,
-        *,
-        devices: list[str] | None,
-        communication,
-        failure_timeout: float,
-        startup_timeout: float,
-    ):
-        self._kr_devices = devices
-        self._kr_failure_timeout = failure_timeout
-        self._kr_startup_timeout = startup_timeout
-        super().__init__(
-            container_strategy,
-            cluster_resolver=cluster_resolver,
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                implementation=communication
-            ),
-        )
-        self._task_names = cluster.task_names(self._cluster_spec)
-        self._my_task = f"/job:{self._task_type}/replica:0/task:{self._task_id}"
-
-    def _initialize_multi_worker(self, cluster_resolver):
-        global _joined_cluster
-        spec = cluster_resolver.cluster_spec()
-        me = f"{cluster_resolver.task_type} {cluster_resolver.task_id}"
-        key = (repr(sorted(spec.as_dict().items())), cluster_resolver.task_type, cluster_resolver.task_id)
-        if _joined_cluster is not None:
-            if _joined_cluster != key:
-                raise cluster.ClusterStartupError(
-                    f"{me}: this process already joined another cluster; a process can be part of "
-                    "one cluster only."
-                )
-            # Same cluster: its server and coordination already run (read by super()).
-            self._std_server_started = True
-            self._enable_check_health = False
-        elif _tf_internal.tensorflow_initialized():
-            raise cluster.ClusterStartupError(
-                f"{me}: TensorFlow had already started when the multi-worker ReplicatorStrategy was "
-                "created. Create the strategy first thing in the program, before any tensor, model "
-                "or dataset (kr.simulate_devices may come before it)."
-            )
-        _tf_internal.configure_coordination_service(
-            spec, heartbeat_timeout=self._kr_failure_timeout, startup_timeout=self._kr_startup_timeout
-        )
+    def __enter__(self):
+        self._patches = _compat.strategy_scope_patches()
+        self._patches.__enter__()
         try:
-            super()._initialize_multi_worker(cluster_resolver)
-        except (tf.errors.OpError, RuntimeError) as e:
-            names = cluster.task_names(spec)
-            mine = f"/job:{cluster_resolver.task_type}/replica:0/task:{cluster_resolver.task_id}"
-            leader = _tf_internal.coordination_leader(spec)
-            silent = sorted(_tasks_mentioned(e) - {mine})
-            if not silent and mine != leader:
-                silent = [leader]  # the others register with the leader: it did not answer
-            who = f"no answer from {' and '.join(names[t] for t in silent)}. " if silent else ""
-            raise cluster.ClusterStartupError(
-                f"{names[mine]} could not join the cluster of {len(names)} tasks within "
-                f"startup_timeout={self._kr_startup_timeout:g} s: {who}Check that every worker was "
-                "started with the same cluster, that each address is reachable from every worker, "
-                f"and that no other program uses the ports. TensorFlow said: {_first_line(e)}"
-            ) from e
-        _joined_cluster = key
-        _tf_internal.make_control_flow_safe(self._cross_device_ops)
-        _tf_internal.make_control_flow_safe(self._host_cross_device_ops)
+            return self._tf_scope.__enter__()
+        except BaseException:
+            self._patches.__exit__(None, None, None)
+            raise
 
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
-        mine = tf.DeviceSpec.from_string(worker_device)
-
-        def local(kind):
-            found = []
-            for d in tf.config.list_logical_devices(kind):
-                spec = tf.DeviceSpec.from_string(d.name)
-                if spec.job in (None, "localhost") or (spec.job == mine.job and spec.task == mine.task):
-                    found.append(f"/device:{kind}:{spec.device_index}")
-            return sorted(set(found), key=lambda n: int(n.rsplit(":", 1)[1]))
-
-        if self._kr_devices is None:
-            names = local("GPU") or local("CPU")
-        else:
-            known = set(local("GPU") + local("CPU"))
-            for d in self._kr_devices:
-                if d not in known:
-                    raise ValueError(f"Device {d!r} does not exist on {worker_device}; it has {sorted(known)}.")
-            names = self._kr_devices
-        kind = "GPU" if "GPU" in names[0] else "CPU"
-        return tuple(f"{worker_device}{n}" for n in names), kind
-
-    def _lost_worker_error(self, error: Exception) -> cluster.WorkerLostError | None:
-        """A WorkerLostError naming the lost worker(s) if ``error`` came from one, else None."""
-        if isinstance(error, cluster.WorkerLostError) or not isinstance(error, _PEER_ERRORS):
-            return None
-        peers = [t for t in self._task_names if t != self._my_task]
-        # TensorFlow's message usually names the lost task; a probe confirms it (a peer
-        # that aborted only because of another one's loss answers). Then probe the rest.
-        mentioned = [t for t in peers if t in _tasks_mentioned(error)]
-        timeout = min(2.0, self._kr_failure_timeout)
-        lost, unknown = _tf_internal.unhealthy_peers(mentioned, timeout)
-        if not lost:
-            lost, more_unknown = _tf_internal.unhealthy_peers([t for t in peers if t not in mentioned], timeout)
-            unknown += more_unknown
-        if not lost:
-            lost = [t for t in mentioned if t in unknown]  # could not probe: trust the message
-        if not lost:
-            return None  # every peer answers: not a lost worker
-        names = [self._task_names[t] for t in lost]
-        return cluster.WorkerLostError(
-            f"Lost {' and '.join(names)}: it stopped responding (no heartbeat for "
-            f"failure_timeout={self._kr_failure_timeout:g} s, or its connection closed), so training "
-            f"stopped on {self._task_names[self._my_task]}. Restart every worker of the job; "
-            "keras.callbacks.BackupAndRestore resumes it from the last saved epoch. "
-            f"TensorFlow said: {_first_line(error)}",
-            names,
-        )
+    def __exit__(self, *exc):
+        try:
+            return self._tf_scope.__exit__(*exc)
+        finally:
+            self._patches.__exit__(None, None, None)
 
 
-class ReplicatorStrategy(_tf_internal.StrategyBase):
+class ReplicatorStrategy(tf.distribute.Strategy):
     """Synchronous data-parallel replication for Keras 3 (the TF-Replicator model).
 
     Each replica runs the same step on its slice of the global batch; gradients
@@ -453,26 +160,26 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
         devices: the devices to replicate over, as for
             ``tf.distribute.MirroredStrategy``: device names such as
             ``["/gpu:0", "/gpu:1"]``. ``None`` takes every local GPU, else every
-            logical CPU device (see :func:`keras_replicator.simulate_devices`).
+            logical CPU device (see `keras_replicator.simulate_devices`).
         cross_device_ops: a ``tf.distribute.CrossDeviceOps`` to use for
             all-reduces (e.g. ``tf.distribute.NcclAllReduce()``,
             ``tf.distribute.ReductionToOneDevice()``). ``None`` chooses by the
-            devices (:func:`default_cross_device_ops`): NCCL on GPUs, a
+            devices (`default_cross_device_ops`): NCCL on GPUs, a
             reduction on one device over CPU devices. One machine only;
             across workers choose ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
-            at Slurm's environment (see :func:`keras_replicator.cluster.resolve_cluster`);
+            at Slurm's environment (see `keras_replicator.cluster.resolve_cluster`);
             with no cluster (or a cluster of one task) the strategy is local.
             In a multi-worker job ``devices`` lists each worker's local devices.
         communication: ``"auto"``, ``"ring"`` or ``"nccl"``: the implementation
             of collective all-reduces (``"auto"``: NCCL on GPUs, ring otherwise).
         failure_timeout: seconds without a heartbeat after which a worker counts
             as lost; the others then stop with
-            :class:`~keras_replicator.cluster.WorkerLostError`. Multi-worker only.
+            `WorkerLostError`. Multi-worker only.
         startup_timeout: seconds to wait at creation for every worker of the
             cluster to be up before failing with
-            :class:`~keras_replicator.cluster.ClusterStartupError`. Multi-worker only.
+            `ClusterStartupError`. Multi-worker only.
     """
 
     def __init__(
@@ -492,14 +199,13 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
                 "cross_device_ops must be a tf.distribute.CrossDeviceOps such as "
                 f"tf.distribute.ReductionToOneDevice(), got {cross_device_ops!r}."
             )
-        if not isinstance(communication, str) or communication.lower() not in _COMMUNICATION:
-            raise ValueError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
-        for name, value in (("failure_timeout", failure_timeout), ("startup_timeout", startup_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value > 0
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
-        implementation = _COMMUNICATION[communication.lower()]
+        communication = check_choice(
+            "communication", communication.lower() if isinstance(communication, str) else communication,
+            sorted(_COMMUNICATION),
+        )
+        failure_timeout = check_number("failure_timeout", failure_timeout, positive=True)
+        startup_timeout = check_number("startup_timeout", startup_timeout, positive=True)
+        implementation = _COMMUNICATION[communication]
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)
         spec = resolver.cluster_spec() if resolver is not None else tf.train.ClusterSpec({})
@@ -509,32 +215,27 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
                     "cross_device_ops applies to one machine; in a multi-worker job choose "
                     'communication="ring" or "nccl" instead.'
                 )
-            local_names = _local_device_names(devices)
-            self._collective_key_base = next(_instance_counter) * _COLLECTIVE_KEY_STRIDE
-            extended = ReplicatorMultiWorkerExtended(
+            extended = engines.ReplicatorMultiWorkerExtended(
                 self,
                 resolver,
-                devices=local_names,
+                devices=_local_device_names(devices),
                 communication=implementation,
-                failure_timeout=float(failure_timeout),
-                startup_timeout=float(startup_timeout),
+                failure_timeout=failure_timeout,
+                startup_timeout=startup_timeout,
             )
-            _tf_internal.install_multi_worker_keras_patches()
         else:
             device_names = _normalise_devices(devices)
-            # Read by MirroredExtended.__init__; must be set before it runs.
-            self._collective_key_base = next(_instance_counter) * _COLLECTIVE_KEY_STRIDE
-            extended = ReplicatorExtended(
+            if cross_device_ops is None and communication == "auto":
+                cross_device_ops = default_cross_device_ops(device_names)
+            extended = engines.ReplicatorExtended(
                 self,
                 devices=device_names,
                 cross_device_ops=cross_device_ops,
-                communication=None if communication.lower() == "auto" else implementation,
+                communication=None if communication == "auto" else implementation,
             )
         super().__init__(extended)
-        _tf_internal.install_keras_patches()
-        _tf_internal.install_all_reduce_gradient_patch()
-        # Plain Keras BatchNormalization: moving statistics kept identical across replicas.
-        layers.batch_normalization.install_batch_norm_guard()
+        _compat.install()
+        keras_trainer.register_strategy(self)
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
@@ -547,32 +248,42 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
     @property
     def num_workers(self) -> int:
         """Number of worker processes in the job (1 on one machine)."""
-        return getattr(self.extended, "_num_workers", 1)
+        return self.extended.num_workers
 
     @property
     def worker_index(self) -> int:
-        """This worker's index in ``0 .. num_workers - 1`` (the chief's is 0).
+        """This worker's index in `0 .. num_workers - 1` (the chief's is 0).
 
-        Its replicas are the global replicas ``worker_index * k .. worker_index * k + k - 1``
-        for ``k`` local devices.
+        Its replicas are the global replicas `worker_index * k .. worker_index * k + k - 1`
+        for `k` local devices.
         """
-        return getattr(self.extended, "_id_in_cluster", 0)
+        return self.extended.worker_index
 
     @property
     def is_chief(self) -> bool:
         """True on the worker that writes checkpoints and summaries (always on one machine)."""
-        return bool(getattr(self.extended, "_is_chief", True))
+        return self.extended.is_chief
 
     @property
     def cluster_resolver(self) -> tf.distribute.cluster_resolver.ClusterResolver | None:
-        """The resolver of the multi-worker job, or ``None`` on one machine."""
-        return getattr(self.extended, "_cluster_resolver", None) if self.num_workers > 1 else None
+        """The resolver of the multi-worker job, or `None` on one machine."""
+        return self.extended.cluster_resolver if self.num_workers > 1 else None
 
-    def _lost_worker_error(self, error: Exception) -> cluster.WorkerLostError | None:
-        """Keras's fit/evaluate/predict re-raise step errors caused by a lost worker as this."""
-        if isinstance(self.extended, ReplicatorMultiWorkerExtended):
-            return self.extended._lost_worker_error(error)
-        return None
+    def scope(self):
+        """The strategy's scope, as `tf.distribute.Strategy.scope()`.
+
+        Also applies keras_replicator's scoped patches while it is entered (see
+        `keras_replicator._compat`): plain Keras `BatchNormalization` keeps its
+        moving statistics identical across replicas, and all-reduces get a
+        gradient that is cheap to trace.
+
+        Example:
+            ```python
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            ```
+        """
+        return _ScopeWithPatches(super().scope())
 
     def __repr__(self) -> str:
         if self.num_workers > 1:
@@ -602,7 +313,7 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
 
         Every example of a finite dataset is used exactly once per epoch (unless
         ``drop_remainder=True``) and every replica gets at least one example per
-        step. See :func:`keras_replicator.data.distribute_dataset` for the
+        step. See `keras_replicator.data.distribute_dataset` for the
         arguments and the guide "Input pipelines" for the details.
 
         Example:
@@ -632,7 +343,7 @@ class ReplicatorStrategy(_tf_internal.StrategyBase):
         """Distributes a dataset batched by the global batch size (what Keras calls).
 
         As ``tf.distribute.Strategy.experimental_distribute_dataset``, with the
-        guarantees of :meth:`distribute_dataset`: slices of a batch differ by at
+        guarantees of `distribute_dataset`: slices of a batch differ by at
         most one example, a short last batch leaves no replica empty, and
         sharding follows the dataset's ``auto_shard_policy`` without
         TensorFlow's AUTO->DATA warning. Datasets it cannot split (sparse or

@@ -5,19 +5,19 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator import _tf_internal
-from keras_replicator import strategy as strategy_module
+from keras_replicator import cross_device_ops as cdo_module
+from keras_replicator._compat.engines import tf_cross_device_ops  # TF's CollectiveAllReduce
 
 
 def test_cpu_devices_get_a_packed_reduction_to_one_device():
     strategy = kr.ReplicatorStrategy()
-    ops = strategy.extended._cross_device_ops
-    assert isinstance(ops, strategy_module.PackedReductionToOneDevice)
-    assert ops.accumulation_fn is strategy_module._sum_on_host
+    ops = strategy.extended.cross_device_ops
+    assert isinstance(ops, cdo_module.PackedReductionToOneDevice)
+    assert ops.accumulation_fn is cdo_module._sum_on_host
 
 
 def test_choice_by_topology():
-    choose = strategy_module.default_cross_device_ops
+    choose = cdo_module.default_cross_device_ops
     assert isinstance(choose(["/cpu:0", "/cpu:1"]), tf.distribute.ReductionToOneDevice)
     assert isinstance(choose(["/device:CPU:0"]), tf.distribute.ReductionToOneDevice)
     assert choose(["/gpu:0", "/gpu:1"]) is None  # TensorFlow's choice: NCCL
@@ -28,16 +28,16 @@ def test_choice_by_topology():
 
 def test_explicit_choices_are_kept():
     ring = kr.ReplicatorStrategy(communication="ring")
-    assert isinstance(ring.extended._cross_device_ops, _tf_internal.cross_device_ops.CollectiveAllReduce)
+    assert isinstance(ring.extended.cross_device_ops, tf_cross_device_ops.CollectiveAllReduce)
     hierarchical = tf.distribute.HierarchicalCopyAllReduce()
-    assert kr.ReplicatorStrategy(cross_device_ops=hierarchical).extended._cross_device_ops is hierarchical
+    assert kr.ReplicatorStrategy(cross_device_ops=hierarchical).extended.cross_device_ops is hierarchical
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4])
 @pytest.mark.parametrize("tree", [False, True], ids=["add_n", "tree"])
 def test_sums_and_means_are_exact_and_identical(monkeypatch, replicas, tree):
     if tree:  # the pairwise tree normally starts at 32 MB
-        monkeypatch.setattr(strategy_module, "_TREE_SUM_MIN_BYTES", 0)
+        monkeypatch.setattr(cdo_module, "_TREE_SUM_MIN_BYTES", 0)
     strategy = kr.ReplicatorStrategy([f"/cpu:{i}" for i in range(replicas)])
 
     @tf.function
@@ -74,7 +74,7 @@ def test_steps_per_execution_works_with_the_default():
 
 def _unpacked_strategy():
     return kr.ReplicatorStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice(
-        accumulation_fn=strategy_module._sum_on_host))
+        accumulation_fn=cdo_module._sum_on_host))
 
 
 def _mixed_batch(replica: int) -> dict:
@@ -93,9 +93,9 @@ def _mixed_batch(replica: int) -> dict:
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_packed_batch_reduction_is_bitwise_the_unpacked_one(monkeypatch, op):
     # "large" (1200 bytes) is over the pack limit here, so it is reduced alone.
-    monkeypatch.setattr(strategy_module, "_PACK_MAX_BYTES", 1024)
+    monkeypatch.setattr(cdo_module, "_PACK_MAX_BYTES", 1024)
     packed, unpacked = kr.ReplicatorStrategy(), _unpacked_strategy()
-    ops = packed.extended._cross_device_ops
+    ops = packed.extended.cross_device_ops
     calls = []
     single = ops.reduce_implementation
     monkeypatch.setattr(ops, "reduce_implementation",

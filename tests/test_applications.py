@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator.applications import imagenet
+from keras_replicator.applications.resnet import Recipe, mixed_precision_policy
 
 # --- the model ------------------------------------------------------------------
 
@@ -149,12 +150,12 @@ def test_resnet_saves_and_loads(tmp_path):
 
 def test_mixed_precision_computes_in_bfloat16_and_classifies_in_float32():
     strategy = kr.ReplicatorStrategy()
-    policy = imagenet.mixed_precision_policy(strategy)
+    policy = mixed_precision_policy(strategy)
     assert policy == "mixed_bfloat16"  # CPU
     with strategy.scope():
         model = kr.applications.resnet((1,), num_classes=10, input_shape=(8, 8, 3), width=4,
                                        stem="small", dtype=policy)
-        imagenet.Recipe(global_batch_size=8, epochs=2, warmup_epochs=1).compile(model)
+        Recipe(global_batch_size=8, epochs=2, warmup_epochs=1).compile(model)
     assert model.get_layer("conv1_conv").compute_dtype == "bfloat16"
     assert model.get_layer("conv1_conv").kernel.dtype == "float32"
     assert model.get_layer("predictions").compute_dtype == "float32"
@@ -169,14 +170,14 @@ def test_mixed_precision_computes_in_bfloat16_and_classifies_in_float32():
 def test_mixed_float16_gets_loss_scaling_and_gpu_policy():
     model = kr.applications.resnet((1,), num_classes=10, input_shape=(8, 8, 3), width=4,
                                    stem="small", dtype="mixed_float16")
-    imagenet.Recipe(global_batch_size=8, epochs=2, warmup_epochs=1).compile(model)
+    Recipe(global_batch_size=8, epochs=2, warmup_epochs=1).compile(model)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
 
     class GpuStrategy:  # what mixed_precision_policy reads
         class extended:
             worker_devices = ("/job:localhost/replica:0/task:0/device:GPU:0",)
 
-    assert imagenet.mixed_precision_policy(GpuStrategy()) == "mixed_float16"
+    assert mixed_precision_policy(GpuStrategy()) == "mixed_float16"
 
 
 def test_recipe_on_4_replicas_matches_one_device():
@@ -184,8 +185,8 @@ def test_recipe_on_4_replicas_matches_one_device():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
     y = np.eye(5, dtype="float32")[rng.integers(0, 5, 32)]
-    recipe = imagenet.Recipe(global_batch_size=16, epochs=2, warmup_epochs=1, reference_batch_size=16,
-                             weight_decay=1e-2)
+    recipe = Recipe(global_batch_size=16, epochs=2, warmup_epochs=1, reference_batch_size=8,
+                    weight_decay=1e-2, num_train_examples=32)  # warmup 0.1 -> 0.2 over 2 updates
 
     def train(strategy):
         keras.utils.set_random_seed(3)
@@ -349,29 +350,65 @@ def test_imagenet_input_fn_through_distribute_dataset_with_mock_data():
 
 
 def test_recipe_follows_the_linear_scaling_rule_and_decays():
-    recipe = imagenet.Recipe(global_batch_size=1024)
+    recipe = Recipe(global_batch_size=1024)
     assert recipe.peak_learning_rate == pytest.approx(0.4)
     assert recipe.weight_decay == 1e-4 and recipe.epochs == 90 and recipe.label_smoothing == 0.1
     steps = recipe.steps_per_epoch()
     assert steps == 1_281_167 // 1024
-    assert recipe.learning_rate(0) == pytest.approx(0.1)  # warmup starts at the base rate
-    assert recipe.learning_rate(int(2.5 * steps)) == pytest.approx(0.25, rel=1e-3)
-    assert recipe.learning_rate(5 * steps) == pytest.approx(0.4)  # end of the warmup
-    middle = 5 * steps + (85 * steps) // 2
-    assert recipe.learning_rate(middle) == pytest.approx(0.2, rel=1e-3)  # cosine half-way
-    assert recipe.learning_rate(90 * steps - 1) < 1e-5
-    rates = [recipe.learning_rate(s) for s in range(5 * steps, 90 * steps, steps)]
-    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    schedule = recipe.learning_rate_schedule()
+    assert isinstance(schedule, kr.schedules.LinearScalingWarmup)
+    assert schedule.warmup_steps == 5 * steps and schedule.decay_steps == 85 * steps
 
-    step = imagenet.Recipe(global_batch_size=256, schedule="step")
-    s = step.steps_per_epoch()
-    assert [step.learning_rate(e * s) for e in (10, 30, 60, 85)] == pytest.approx([0.1, 0.01, 0.001, 0.0001])
-    assert imagenet.Recipe(global_batch_size=32_768).weight_decay == 5e-5
-    assert imagenet.Recipe(global_batch_size=32_768, weight_decay=1e-4).weight_decay == 1e-4
+    def rate(step):
+        return float(schedule(step))
+
+    assert rate(0) == pytest.approx(0.1)  # warmup starts at the base rate
+    assert rate(int(2.5 * steps)) == pytest.approx(0.25, rel=1e-3)
+    assert rate(5 * steps) == pytest.approx(0.4)  # end of the warmup
+    middle = 5 * steps + (85 * steps) // 2
+    assert rate(middle) == pytest.approx(0.2, rel=1e-3)  # cosine half-way
+    assert rate(90 * steps - 1) < 1e-5
+    rates = [rate(s) for s in range(5 * steps, 90 * steps, steps)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    # Another number of steps per epoch (another data set size) stretches the same shape.
+    short = recipe.learning_rate_schedule(steps_per_epoch=10)
+    assert short.warmup_steps == 50 and float(short(25)) == pytest.approx(0.25)
+
+    step = Recipe(global_batch_size=256, schedule="step").learning_rate_schedule()
+    s = Recipe(global_batch_size=256).steps_per_epoch()
+    assert [float(step(e * s)) for e in (10, 30, 60, 85)] == pytest.approx([0.1, 0.01, 0.001, 0.0001])
+    assert Recipe(global_batch_size=32_768).weight_decay == 5e-5
+    assert Recipe(global_batch_size=32_768, weight_decay=1e-4).weight_decay == 1e-4
+
+
+def test_recipe_schedule_drives_the_optimizer_in_fit():
+    # 32 examples at a global batch of 8: 4 updates per epoch, warmup over the first epoch.
+    recipe = Recipe(global_batch_size=8, epochs=3, warmup_epochs=1, reference_batch_size=4,
+                    base_learning_rate=0.05, num_train_examples=32)
+    with kr.ReplicatorStrategy().scope():
+        model = kr.applications.resnet((1,), num_classes=5, input_shape=(8, 8, 3), width=4,
+                                       stem="small")
+        recipe.compile(model, steps_per_execution=2)
+    schedule = recipe.learning_rate_schedule()
+
+    class Probe(keras.callbacks.Callback):
+        rates = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    y = np.eye(5, dtype="float32")[rng.integers(0, 5, 32)]
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Probe()])
+    assert int(model.optimizer.iterations.numpy()) == 8
+    # Keras calls back once per execution of 2 steps: the rates of steps 0, 2, 4, 6.
+    np.testing.assert_allclose(Probe.rates, [float(schedule(s)) for s in (0, 2, 4, 6)], rtol=1e-6)
+    assert Probe.rates[:3] == pytest.approx([0.05, 0.075, 0.1])  # warmup to 0.05 * 8 / 4
 
 
 def test_recipe_optimizer_loss_metrics_and_callbacks(tmp_path):
-    recipe = imagenet.Recipe(global_batch_size=512)
+    recipe = Recipe(global_batch_size=512)
     opt = recipe.optimizer()
     assert isinstance(opt, keras.optimizers.SGD) and opt.nesterov and opt.momentum == 0.9
     loss = recipe.loss()
@@ -384,9 +421,12 @@ def test_recipe_optimizer_loss_metrics_and_callbacks(tmp_path):
     callbacks = recipe.callbacks(backup_dir=str(tmp_path / "backup"),
                                  checkpoint_path=str(tmp_path / "w{epoch}.weights.h5"))
     kinds = [type(c) for c in callbacks]
-    assert kinds == [keras.callbacks.BackupAndRestore, kr.callbacks.LearningRateWarmup,
-                     imagenet.LearningRateDecay, kr.callbacks.Throughput, keras.callbacks.ModelCheckpoint]
-    assert callbacks[1].global_batch_size == 512 and callbacks[2].peak_lr == pytest.approx(0.2)
+    assert kinds == [keras.callbacks.BackupAndRestore, kr.callbacks.Throughput,
+                     keras.callbacks.ModelCheckpoint]
+    assert callbacks[1].global_batch_size == 512
+    lr = opt.get_config()["learning_rate"]  # the schedule, saved with the optimizer
+    assert lr["registered_name"] == "keras_replicator>LinearScalingWarmup"
+    assert lr["config"]["global_batch_size"] == 512
 
 
 @pytest.mark.parametrize(
@@ -398,17 +438,23 @@ def test_recipe_optimizer_loss_metrics_and_callbacks(tmp_path):
         (dict(global_batch_size=256, label_smoothing=1.0), "label_smoothing"),
         (dict(global_batch_size=256, weight_decay=-1.0), "weight_decay"),
         (dict(global_batch_size=256, base_learning_rate=0.0), "base_learning_rate"),
+        (dict(global_batch_size=256.0), "global_batch_size must be a positive integer"),
+        (dict(global_batch_size=256, nesterov="yes"), "nesterov must be True or False"),
+        (dict(global_batch_size=256, schedule="step", step_boundaries=(60, 30)), "step_boundaries"),
+        (dict(global_batch_size=256, schedule="step", step_boundaries=(3,)), "step_boundaries"),
     ],
 )
 def test_recipe_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        imagenet.Recipe(**kwargs)
+        Recipe(**kwargs)
 
 
-def test_decay_callback_arguments_are_checked():
-    with pytest.raises(ValueError, match="schedule"):
-        imagenet.LearningRateDecay(0.1, 1, 10, schedule="exp")
-    with pytest.raises(ValueError, match="boundaries"):
-        imagenet.LearningRateDecay(0.1, 1, 10, schedule="step", boundaries=(5, 2))
-    with pytest.raises(ValueError, match="peak_lr"):
-        imagenet.LearningRateDecay(0.0, 1, 10)
+def test_moved_recipe_names_still_resolve_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="imagenet.Recipe moved to .*resnet.Recipe"):
+        assert imagenet.Recipe is Recipe
+    with pytest.warns(DeprecationWarning, match="mixed_precision_policy moved"):
+        assert imagenet.mixed_precision_policy is mixed_precision_policy
+    with pytest.raises(AttributeError, match="LearningRateDecay was removed: .*LinearScalingWarmup"):
+        imagenet.LearningRateDecay  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        imagenet.nothing  # noqa: B018

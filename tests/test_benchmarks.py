@@ -94,13 +94,16 @@ def test_published_results_are_left_alone(quick_run):
     assert _mtimes() == before
 
 
-def test_grouped_processes_take_turns_window_by_window():
+@pytest.mark.parametrize("epoch_per_window", [False, True])
+def test_grouped_processes_take_turns_window_by_window(epoch_per_window):
     """The processes of a group (e.g. stock and ours) warm up together but time their
-    windows one at a time, alternately: no two timed windows overlap."""
+    windows one at a time, alternately: no two timed windows overlap (also when each
+    window is its own `fit` call, as the training groups run)."""
     from benchmarks import runner
 
     spec = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1, "global_batch": 16,
-            "steps_per_execution": 1, "warmup_steps": 1, "windows": 3, "window_steps": 2}
+            "steps_per_execution": 1, "warmup_steps": 1, "windows": 3, "window_steps": 2,
+            "epoch_per_window": epoch_per_window}
     results = runner.run_group([spec, dict(spec, strategy="stock")], timeout=300)
     assert all(isinstance(r, dict) for r in results), results
     intervals = sorted((start, end, i) for i, r in enumerate(results)

@@ -1,4 +1,4 @@
-"""kr.callbacks: warmup values, throughput numbers, the consistency check, resuming elsewhere."""
+"""kr.callbacks: throughput numbers, the consistency check, resuming elsewhere."""
 
 import glob
 import json
@@ -22,105 +22,6 @@ def compiled(strategy, make_optimizer, **compile_kwargs):
         model = dense_model()
         model.compile(make_optimizer(), "mse", **compile_kwargs)
     return model
-
-
-class LearningRateProbe(keras.callbacks.Callback):
-    """Records the learning rate each executed step starts with."""
-
-    def __init__(self):
-        super().__init__()
-        self.rates = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
-
-
-# --- LearningRateWarmup ---------------------------------------------------------------
-
-
-def test_warmup_follows_the_linear_scaling_rule_then_a_later_schedule():
-    # 4 replicas x 4 examples = global batch 16, reference batch 4: target = 4 x 0.01 = 0.04,
-    # reached linearly over 2 epochs x 4 steps = 8 steps, i.e. +0.00375 per step.
-    x, y = regression_data(64)
-    model = compiled(strategy_for(4), lambda: kr.CrossReplicaOptimizer(keras.optimizers.SGD(0.5)))
-    warmup = kr.callbacks.LearningRateWarmup(0.01, warmup_epochs=2, reference_batch=4)
-    decay = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.1 if epoch == 3 else lr)
-    probe = LearningRateProbe()
-    history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
-                        callbacks=[warmup, decay, probe])
-    expected = [0.01, 0.01375, 0.0175, 0.02125, 0.025, 0.02875, 0.0325, 0.03625,  # warmup
-                0.04, 0.04, 0.04, 0.04,                                          # target
-                0.004, 0.004, 0.004, 0.004]                                      # decayed
-    np.testing.assert_allclose(probe.rates, expected, rtol=1e-6)
-    np.testing.assert_allclose(history.history["learning_rate"], [0.02125, 0.03625, 0.04, 0.004], rtol=1e-6)
-    assert warmup.global_batch == 16 and warmup.target_lr == pytest.approx(0.04)
-
-
-def test_warmup_with_explicit_global_batch_and_steps_per_execution():
-    # 2 replicas, Keras runs 2 steps per call: the rate changes every other step.
-    x, y = regression_data(64)
-    model = compiled(strategy_for(2), lambda: keras.optimizers.SGD(0.5), steps_per_execution=2)
-    warmup = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=1.5, reference_batch=8,
-                                             global_batch_size=16)   # target 0.2 after 6 steps
-    probe = LearningRateProbe()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[warmup, probe])
-    np.testing.assert_allclose(probe.rates, [0.1, 0.1 + 0.1 * 2 / 6, 0.1 + 0.1 * 4 / 6, 0.2], rtol=1e-6)
-    assert warmup.learning_rate(3, steps_per_epoch=4, global_batch_size=16) == pytest.approx(0.15)
-
-
-def test_warmup_never_ramps_down_when_the_global_batch_is_below_the_reference():
-    # 2 replicas x 4 = global batch 8, reference 32: target = 0.1 / 4 = 0.025, which is
-    # below base_lr, so there is nothing to warm up: every step runs at the target.
-    x, y = regression_data(32)  # 4 steps per epoch; warmup 1 epoch, then 1 epoch after it
-    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
-    model = compiled(strategy_for(2), lambda: keras.optimizers.SGD(0.5))
-    given = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=1, reference_batch=32,
-                                            global_batch_size=8)
-    probe = LearningRateProbe()
-    model.fit(x, y, callbacks=[given, probe], **fit)
-    np.testing.assert_allclose(probe.rates, [0.025] * 8, rtol=1e-6)
-    assert [given.learning_rate(s, 4, 8) for s in range(6)] == pytest.approx([0.025] * 6)
-
-    # Measured, the batch is known only after the first step, which ran at base_lr: warned.
-    measured = kr.callbacks.LearningRateWarmup(0.1, warmup_epochs=1, reference_batch=32)
-    probe = LearningRateProbe()
-    with pytest.warns(UserWarning, match=r"first 1 step\(s\) ran at base_lr=0.1 .* global_batch_size=8"):
-        model.fit(x, y, callbacks=[measured, probe], **fit)
-    np.testing.assert_allclose(probe.rates, [0.1] + [0.025] * 7, rtol=1e-6)
-
-
-def test_warmup_refuses_what_it_cannot_do_before_training():
-    x, y = regression_data(64)
-    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
-    model = compiled(strategy_for(2), lambda: keras.optimizers.SGD(schedule))
-    before = model.get_weights()
-    with pytest.raises(TypeError, match="must be a float, not a LearningRateSchedule"):
-        model.fit(x, y, batch_size=16, verbose=0,
-                  callbacks=[kr.callbacks.LearningRateWarmup(0.1, 1)])
-    model = compiled(strategy_for(2), lambda: keras.optimizers.SGD(0.1))
-    with pytest.raises(ValueError, match="warmup_epochs=0 .* pass global_batch_size="):
-        model.fit(x, y, batch_size=16, verbose=0,
-                  callbacks=[kr.callbacks.LearningRateWarmup(0.1, 0)])
-    unknown_size = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
-    with pytest.raises(ValueError, match="pass steps_per_epoch= to fit"):
-        model.fit(unknown_size, verbose=0, callbacks=[kr.callbacks.LearningRateWarmup(0.1, 1)])
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)  # no step ran (same seed, same initial weights)
-
-
-@pytest.mark.parametrize(
-    "args,kwargs,message",
-    [
-        ((0, 1), {}, "base_lr must be a positive number, got 0"),
-        ((0.1, -1), {}, "warmup_epochs must be a non-negative number, got -1"),
-        ((0.1, 1, 0), {}, "reference_batch must be a positive integer, got 0"),
-        ((0.1, 1), {"global_batch_size": 1.5}, "global_batch_size must be a positive integer or None"),
-        ((0.1, 1), {"verbose": 2}, "verbose must be 0 or 1"),
-    ],
-)
-def test_warmup_bad_arguments(args, kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        kr.callbacks.LearningRateWarmup(*args, **kwargs)
 
 
 # --- Throughput ---------------------------------------------------------------------------
@@ -217,18 +118,31 @@ def test_consistency_check_passes_clean_training_and_catches_a_perturbed_copy():
         everything.check()
 
 
+def test_divergence_error_is_the_one_in_errors():
+    from keras_replicator.errors import ReplicaDivergenceError
+
+    assert kr.callbacks.ReplicaDivergenceError is ReplicaDivergenceError
+    assert issubclass(ReplicaDivergenceError, RuntimeError)
+
+
+def test_the_warmup_callback_points_to_the_schedule():
+    with pytest.raises(AttributeError, match=r"LearningRateWarmup was removed: .*schedules\.LinearScalingWarmup"):
+        kr.callbacks.LearningRateWarmup  # noqa: B018
+
+
 def test_consistency_check_bad_arguments():
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer, got 0"):
         kr.callbacks.ReplicaConsistencyCheck(every_n_steps=0)
-    with pytest.raises(TypeError, match="include_optimizer must be True or False"):
+    with pytest.raises(ValueError, match="include_optimizer must be True or False, got 'yes'"):
         kr.callbacks.ReplicaConsistencyCheck(include_optimizer="yes")
+    with pytest.raises(ValueError, match="check_at_end must be True or False, got 1"):
+        kr.callbacks.ReplicaConsistencyCheck(check_at_end=1)
     with pytest.raises(ValueError, match="has no model: call set_model"):
         kr.callbacks.ReplicaConsistencyCheck().check()
 
 
 def test_callback_configs_round_trip():
     for callback in (
-        kr.callbacks.LearningRateWarmup(0.1, 2.5, 128, global_batch_size=512, verbose=1),
         kr.callbacks.Throughput(single_replica_rate=123.0, global_batch_size=64),
         kr.callbacks.ReplicaConsistencyCheck(7, include_optimizer=False, check_at_end=False),
     ):
@@ -310,7 +224,7 @@ def test_resume_on_fewer_replicas_with_backup_and_restore(tmp_path):
 
 
 @pytest.mark.parametrize("index,expected", [
-    (0, "[0.02125, 0.03625, 0.04, 0.04, 0.004]"),
+    (0, "updates: 20\n[0.01, 0.025, 0.04, 0.04, 0.004, 0.004]"),
     (1, "scaling_efficiency:"),
     (2, "differs between replica 0 and replica 3"),
 ])

@@ -186,16 +186,19 @@ def test_outside_a_replica_context_behaves_as_one_replica():
     np.testing.assert_array_equal(kr.all_gather(x), x)
     np.testing.assert_array_equal(kr.broadcast(x), x)
     assert int(kr.replica_id()) == 0 and kr.num_replicas() == 1
-    with kr.ReplicatorStrategy().scope():  # cross-replica context
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():  # cross-replica context
         np.testing.assert_array_equal(kr.all_reduce(x, "sum"), x)
-        assert kr.num_replicas() == 1
+        np.testing.assert_array_equal(kr.broadcast(x), x)
+        # The one exception: num_replicas() answers the strategy's count in its scope.
+        assert kr.num_replicas() == strategy.num_replicas_in_sync > 1
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: kr.all_reduce(tf.constant(1.0), "prod"), "op must be one of"),
     (lambda: kr.all_reduce(tf.constant(1.0), "sum", group_size=3), "does not divide"),
     (lambda: kr.all_reduce(tf.constant(1.0), "sum", group_size=0), "positive integer"),
-    (lambda: kr.broadcast(tf.constant(1.0), source_replica=4), r"source_replica must be an integer in \[0, 4\)"),
+    (lambda: kr.broadcast(tf.constant(1.0), source_replica=4), r"source_replica must be an integer in \[0, 3\]"),
 ])
 def test_bad_arguments_inside_replicas(call, match):
     strategy = kr.ReplicatorStrategy()

@@ -31,7 +31,8 @@ import os, sys, tempfile
 import keras_replicator as kr
 kr.simulate_devices(4)
 import numpy as np, tensorflow as tf, keras
-from keras_replicator import _tf_internal, data
+from keras_replicator import data
+from keras_replicator._compat import tf_data
 
 strategy = kr.ReplicatorStrategy()
 x, y = np.ones((100, 8), "float32"), np.ones((100, 1), "float32")
@@ -53,7 +54,7 @@ for source in (tf.data.Dataset.from_tensor_slices((x, y)), tf.data.TFRecordDatas
             pass
 print("CONTROL", file=sys.stderr, flush=True)
 # TensorFlow's own AUTO sharding of the same data, as its strategies apply it across workers.
-for _ in _tf_internal.auto_shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), 2, 0, 4,
+for _ in tf_data.auto_shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), 2, 0, 4,
                                  tf.data.experimental.AutoShardPolicy.AUTO):
     pass
 """

@@ -6,9 +6,11 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -16,7 +18,17 @@ import yaml
 
 from keras_replicator import cluster
 from keras_replicator.__main__ import main
-from keras_replicator.launch import free_ports, k8s_manifest, launch, tf_config
+from keras_replicator.launch import (
+    _detect_gpus,
+    cluster_addresses,
+    free_ports,
+    gpu_assignment,
+    k8s_manifest,
+    launch,
+    parse_hosts,
+    rendezvous,
+    tf_config,
+)
 from tests.helpers import ROOT
 
 
@@ -102,10 +114,23 @@ def test_exit_codes_of_killed_workers_and_timeout(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"workers": 0}, ValueError, "workers must be an integer >= 1, got 0"),
-        ({"workers": 2, "devices_per_worker": 0}, ValueError, "devices_per_worker must be an integer >= 1, got 0"),
+        ({"workers": 0}, ValueError, "workers must be a positive integer, got 0"),
+        ({}, ValueError, "Give workers=N (one machine) or hosts='h1:2,h2:2' (several)"),
+        ({"workers": 2, "devices_per_worker": 0}, ValueError, "devices_per_worker must be a positive integer or None, got 0"),
         ({"workers": 2, "host": "127.0.0.1 "}, ValueError, "host must be an address"),
-        ({"workers": 2, "timeout": -1}, ValueError, "timeout must be a positive number of seconds, got -1"),
+        ({"workers": 2, "timeout": -1}, ValueError, "timeout must be a positive number or None, got -1"),
+        ({"workers": 2, "max_restarts": -1}, ValueError, "max_restarts must be a non-negative integer, got -1"),
+        ({"workers": 2, "tee": "some"}, ValueError, "tee must be one of 'all', 'chief', 'none'; got 'some'"),
+        ({"workers": 2, "grace": -1}, ValueError, "grace must be a non-negative number, got -1"),
+        ({"workers": 2, "log_dir": ""}, ValueError, "log_dir must be a directory path, got ''"),
+        ({"workers": 2, "node_rank": 1}, ValueError, "node_rank=1 needs hosts="),
+        ({"workers": 2, "hosts": "a:1"}, ValueError, "Give either workers= (one machine) or hosts="),
+        ({"hosts": "a:1,b:1"}, ValueError, "hosts names 2 nodes: give node_rank (--node-rank)"),
+        ({"hosts": "a:1,b:1", "node_rank": 2}, ValueError, "node_rank must be an integer in [0, 1], got 2"),
+        ({"hosts": "a:1,b"}, ValueError, "hosts must be comma-separated host:count entries such as 'h1:2,h2:2', got 'a:1,b' ('b' is not host:count)"),
+        ({"hosts": "a:0"}, ValueError, "the worker count of host 'a' must be a positive integer, got 0"),
+        ({"hosts": "a:2", "port": 65535}, ValueError, "Ports 65535..65536 of host 'a' exceed 65535"),
+        ({"hosts": "a:2", "port": 0}, ValueError, "port must be an integer in [1, 65535], got 0"),
     ],
 )
 def test_bad_launch_arguments(tmp_path, kwargs, error, message):
@@ -129,7 +154,7 @@ def test_free_ports_and_tf_config():
         tf_config(["a:1", "b:2"], 2)
     with pytest.raises(ValueError, match="Worker address 'a' is not of the form host:port"):
         tf_config(["a"], 0)
-    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+    with pytest.raises(ValueError, match="n must be a positive integer"):
         free_ports(0)
 
 
@@ -168,6 +193,405 @@ def test_command_line_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+# --- Signals: forwarded to every worker, and the launcher exits after them ------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_launcher_is_forwarded_and_no_worker_outlives_it(tmp_path, signum):
+    """Workers that print nothing: one records the signal and exits, one ignores it (as a
+    multi-worker TensorFlow process ignores SIGTERM) and is killed after the grace period."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    body = f"""
+        import os, signal, time
+        index = int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
+        here = {str(pids)!r}
+        def record(signum, frame):
+            open(os.path.join(here, f"got{{index}}-{{signum}}"), "w").close()
+            os._exit(0)
+        if index == 0:
+            signal.signal({int(signum)}, record)
+        if index == 1:
+            signal.signal({int(signum)}, signal.SIG_IGN)
+        open(os.path.join(here, str(os.getpid())), "w").close()
+        time.sleep(120)
+    """
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "3", "--grace", "2",
+               script(tmp_path, body)]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    worker_pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(worker_pids) < 3 and time.monotonic() < deadline:
+            worker_pids = [int(name) for name in os.listdir(pids) if name.isdigit()]
+            time.sleep(0.05)
+        assert len(worker_pids) == 3, launcher.stdout and launcher.poll()
+        started = time.monotonic()
+        launcher.send_signal(signum)
+        output = launcher.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - started
+        # The launcher waited for its workers: none is left when it has exited.
+        assert [pid for pid in worker_pids if _alive(pid)] == []
+        assert launcher.returncode == 128 + signum, output
+        name = signal.Signals(signum).name
+        assert f"[launcher] got {name}: forwarding it to every worker (SIGKILL after 2 s" in output
+        assert "[launcher] every worker has exited" in output
+        assert (pids / f"got0-{int(signum)}").exists()  # the same signal reached the worker
+        assert 2 <= elapsed < 30, elapsed  # the one ignoring it was killed after the grace period
+    finally:
+        for pid in worker_pids:  # only if the test failed: leave nothing behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_a_second_signal_kills_at_once(tmp_path):
+    body = """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(120)
+    """
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--grace", "60",
+               script(tmp_path, body)]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    try:
+        ready = 0
+        while ready < 2:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended early"
+            ready += line.endswith("ready\n")
+        started = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        output = launcher.communicate(timeout=30)[0]
+        assert launcher.returncode == 128 + signal.SIGTERM, output
+        assert time.monotonic() - started < 20  # not the 60 s grace period
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+# --- Restarts, logs, several hosts, GPUs -----------------------------------------------------
+
+
+FAIL_ONCE = """
+    import os, sys
+    index = int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
+    restart = int(os.environ["KERAS_REPLICATOR_RESTART_COUNT"])
+    print("worker", index, "restart", restart, "config", os.environ["TF_CONFIG"])
+    if index == 1 and restart < {failures}:
+        print("failing on purpose")
+        sys.exit(3)
+"""
+
+
+def test_max_restarts_restarts_every_worker_until_success(tmp_path):
+    out = io.StringIO()
+    code = launch(script(tmp_path, FAIL_ONCE.format(failures=2)), workers=2, max_restarts=2, output=out,
+                  grace=1)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "[launcher] restarting every worker (restart 1 of 2)" in text
+    assert "[launcher] restarting every worker (restart 2 of 2)" in text
+    for i in range(2):
+        assert [line.split(" config")[0] for line in lines_of(text, i) if line.startswith("worker")] == [
+            f"worker {i} restart {r}" for r in range(3)]
+    # Out of restarts: the failure's exit code.
+    out = io.StringIO()
+    assert launch(script(tmp_path, FAIL_ONCE.format(failures=5)), workers=2, max_restarts=1, output=out,
+                  grace=1) == 3
+    assert out.getvalue().count("[launcher] worker 1 exited with code 3") == 2
+
+
+def test_log_dir_and_chief_only_output(tmp_path):
+    body = """
+        import os, sys
+        index = int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
+        for k in range(30):
+            print(f"line {k} of worker {index}")
+        sys.exit(5 if index == 2 else 0)
+    """
+    out = io.StringIO()
+    code = launch(script(tmp_path, body), workers=3, log_dir=str(tmp_path / "logs"), tee="chief",
+                  output=out, grace=1)
+    assert code == 5
+    for i in range(3):  # each worker's whole output, unprefixed, in its own file
+        log = (tmp_path / "logs" / f"worker_{i}.log").read_text().splitlines()
+        assert log == [f"line {k} of worker {i}" for k in range(30)]
+    text = out.getvalue()
+    assert lines_of(text, 0) == [f"line {k} of worker 0" for k in range(30)]
+    assert "line 0 of worker 1" not in text  # not the chief: in its log file only
+    # The failing worker's last 20 lines are printed even though it is not the chief.
+    assert "[launcher] the last lines of worker 2:" in text
+    assert lines_of(text, 2) == [f"line {k} of worker 2" for k in range(10, 30)]
+    quiet = io.StringIO()
+    assert launch(script(tmp_path, REPORT), workers=2, tee="none", output=quiet) == 0
+    assert quiet.getvalue() == ""
+
+
+def test_log_dir_keeps_every_restart(tmp_path):
+    logs = tmp_path / "logs"
+    assert main(["launch", "--workers", "2", "--max-restarts", "1", "--log-dir", str(logs), "--tee", "none",
+                 "--grace", "1", script(tmp_path, FAIL_ONCE.format(failures=1))]) == 0
+    log = (logs / "worker_1.log").read_text()
+    assert "worker 1 restart 0" in log and "failing on purpose" in log
+    assert "[launcher] restart 1 of 1" in log and "worker 1 restart 1" in log
+
+
+def test_hosts_and_node_ranks_give_every_node_the_same_cluster(tmp_path):
+    assert parse_hosts("10.0.0.1:2, node-b:1,[fe80::1]:3") == [("10.0.0.1", 2), ("node-b", 1), ("fe80::1", 3)]
+    assert cluster_addresses(parse_hosts("h1:2,h2:1,[::1]:1"), 2222) == [
+        "h1:2222", "h1:2223", "h2:2222", "[::1]:2222"]
+    # Two "machines" on 127.0.0.1: the second's workers continue the port range.
+    (port,) = free_ports(1)
+    outputs = [io.StringIO(), io.StringIO()]
+    codes = [None, None]
+
+    def node(rank):
+        codes[rank] = launch(script(tmp_path, REPORT), hosts="127.0.0.1:2,127.0.0.1:1", node_rank=rank,
+                             port=port, output=outputs[rank])
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert codes == [0, 0]
+    expected = [f"127.0.0.1:{port + i}" for i in range(3)]
+    for rank, indices in ((0, [0, 1]), (1, [2])):
+        text = outputs[rank].getvalue()
+        assert sorted({int(m) for m in re.findall(r"^\[worker (\d)\]", text, re.MULTILINE)}) == indices
+        for i in indices:
+            config = json.loads(lines_of(text, i)[2].removeprefix("config "))
+            assert config == {"cluster": {"worker": expected}, "task": {"type": "worker", "index": i}}
+
+
+def test_nnodes_find_each_other_through_the_master(tmp_path):
+    """torchrun's style: N nodes, node 0's rendezvous server; each node picks its own free ports."""
+    (master_port,) = free_ports(1)
+    counts = {0: 2, 1: 1, 2: 1}  # workers per node (a node may have its own count)
+    outputs = {rank: io.StringIO() for rank in counts}
+    codes = {}
+
+    def node(rank):
+        codes[rank] = launch(script(tmp_path, REPORT), workers=counts[rank], nnodes=3, node_rank=rank,
+                             master=f"127.0.0.1:{master_port}", rendezvous_timeout=60, output=outputs[rank])
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (2, 1, 0)]  # node 0 last
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    configs = {}
+    for rank, indices in ((0, [0, 1]), (1, [2]), (2, [3])):
+        text = outputs[rank].getvalue()
+        assert sorted({int(m) for m in re.findall(r"^\[worker (\d)\]", text, re.MULTILINE)}) == indices
+        for i in indices:
+            configs[i] = json.loads(lines_of(text, i)[2].removeprefix("config "))
+    clusters = {json.dumps(c["cluster"]) for c in configs.values()}
+    assert len(clusters) == 1
+    workers = json.loads(clusters.pop())["worker"]
+    assert len(set(workers)) == 4 and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in workers)
+    assert [configs[i]["task"] for i in range(4)] == [{"type": "worker", "index": i} for i in range(4)]
+
+
+def test_rendezvous_errors(tmp_path):
+    (port,) = free_ports(1)
+    master = f"127.0.0.1:{port}"
+    with pytest.raises(TimeoutError, match=re.escape(f"Rendezvous at {master}: node rank(s) [1] did not arrive within 1 s")):
+        rendezvous(master, 2, 0, ["127.0.0.1:1"], timeout=1)
+    with pytest.raises(TimeoutError, match=f"Rendezvous: node 1 could not reach node 0 at {master} within 1 s"):
+        rendezvous(master, 2, 1, ["127.0.0.1:1"], timeout=1)
+    assert rendezvous(master, 1, 0, ["a:1"]) == [["a:1"]]
+    # A node started with another --nnodes is refused by node 0, which names the problem.
+    errors = []
+
+    def mismatched_node():
+        try:
+            rendezvous(master, 3, 1, ["127.0.0.1:2"], timeout=10)
+        except TimeoutError as e:
+            errors.append(str(e))
+
+    other = threading.Thread(target=mismatched_node)
+    other.start()
+    with pytest.raises(ValueError, match="a node says it is rank 1 of 3, but this job has 2 nodes"):
+        rendezvous(master, 2, 0, ["127.0.0.1:1"], timeout=10)
+    other.join(timeout=30)
+    assert errors == [f"Rendezvous at {master}: node 0 ended the rendezvous without answering node 1 (a "
+                      "different --nnodes, or a --node-rank given twice?); see node 0's error."]
+    for kwargs, message in [
+        ({"nnodes": 2, "workers": 1}, "nnodes= needs workers= (per node) and master='host:port'"),
+        ({"nnodes": 2, "workers": 1, "master": "h"}, "master must be host:port, got 'h'"),
+        ({"nnodes": 2, "workers": 1, "master": "h:1"}, "nnodes=2: give node_rank (--node-rank), 0 .. 1"),
+        ({"nnodes": 2, "workers": 1, "master": "h:1", "node_rank": 2}, "node_rank must be an integer in [0, 1], got 2"),
+        ({"nnodes": 2, "hosts": "a:1", "master": "h:1"}, "nnodes= (with master=) replaces hosts="),
+        ({"workers": 1, "master": "h:1"}, "master= goes with nnodes="),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            launch(script(tmp_path, "print(1)\n"), **kwargs)
+    # From the command line, a rendezvous that does not complete is exit code 1 and a message.
+    result = _cli("launch", "--nnodes", "2", "--node-rank", "1", "--master", master, "--workers", "1",
+                  "--rendezvous-timeout", "1", script(tmp_path, "print(1)\n"))
+    assert result.returncode == 1
+    assert f"keras-replicator launch: Rendezvous: node 1 could not reach node 0 at {master}" in result.stderr
+
+
+def test_each_local_worker_gets_its_gpus(tmp_path, monkeypatch):
+    body = "import os\nprint('gpus', os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
+    out = io.StringIO()
+    assert launch(script(tmp_path, body), workers=2, gpus=["0", "1", "2", "3", "4"], output=out) == 0
+    assert lines_of(out.getvalue(), 0) == ["gpus 0,1"] and lines_of(out.getvalue(), 1) == ["gpus 2,3"]
+    # Fewer GPUs than workers: shared, and said so.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    out = io.StringIO()
+    assert launch(script(tmp_path, body), workers=2, output=out) == 0
+    assert "[launcher] 2 local workers but 1 GPU(s): they share them" in out.getvalue()
+    assert lines_of(out.getvalue(), 1) == ["gpus 7"]
+    # Detection: the launcher's CUDA_VISIBLE_DEVICES first; no nvidia-smi on this machine.
+    assert _detect_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}) == ["3", "5"]
+    assert _detect_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert gpu_assignment([], 2) is None and gpu_assignment(["0", "1"], 2) == ["0", "1"]
+    # From the command line; '' for none.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    result = _cli("launch", "--workers", "2", "--gpus", "4,5", script(tmp_path, body))
+    assert lines_of(result.stdout, 0) == ["gpus 4"] and lines_of(result.stdout, 1) == ["gpus 5"]
+
+
+# --- Parameter-server jobs: chief + workers + ps, a failed worker restarted alone --------------
+
+
+PS_TASK = """
+    import glob, json, os, sys, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    job, index = config["task"]["type"], config["task"]["index"]
+    restart = int(os.environ["KERAS_REPLICATOR_RESTART_COUNT"])
+    here = {here!r}
+    print("task", job, index, "restart", restart, "cluster", json.dumps(config["cluster"]))
+    open(os.path.join(here, f"{{job}}{{index}}-{{restart}}-{{os.getpid()}}"), "w").close()
+    if job == "worker" and index == 1 and restart == 0:
+        sys.exit(4)  # dies once
+    if job == "chief":
+        deadline = time.monotonic() + 60
+        while not glob.glob(os.path.join(here, "worker1-1-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("chief done")
+        sys.exit(0)
+    time.sleep(120)  # workers and ps tasks serve until they are stopped
+"""
+
+
+def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
+    here = tmp_path / "tasks"
+    here.mkdir()
+    out = io.StringIO()
+    code = launch(script(tmp_path, PS_TASK.format(here=str(here))), workers=2, ps=1, max_restarts=2,
+                  grace=1, output=out, log_dir=str(tmp_path / "logs"))
+    text = out.getvalue()
+    assert code == 0, text
+    started = sorted(name.rsplit("-", 1)[0] for name in os.listdir(here))
+    # The chief, worker 0 and the ps started once; worker 1 twice (restarted alone).
+    assert started == ["chief0-0", "ps0-0", "worker0-0", "worker1-0", "worker1-1"]
+    assert "[launcher] worker 1 exited with code 4; restarting it (restart 1 of 2)" in text
+    assert "[chief 0] chief done" in text
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in text
+    clusters = {json.dumps(json.loads(m), sort_keys=True) for m in re.findall(r"cluster (\{.*\})", text)}
+    assert len(clusters) == 1  # the restarted worker kept its address
+    cluster = json.loads(clusters.pop())
+    assert {job: len(tasks) for job, tasks in cluster.items()} == {"chief": 1, "worker": 2, "ps": 1}
+    addresses = [a for tasks in cluster.values() for a in tasks]
+    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert sorted(os.listdir(tmp_path / "logs")) == ["chief_0.log", "ps_0.log", "worker_0.log", "worker_1.log"]
+    for pid in (int(name.rsplit("-", 1)[1]) for name in os.listdir(here)):
+        assert not _alive(pid)
+    # Without restarts left, the worker's failure ends the job.
+    (here2 := tmp_path / "again").mkdir()
+    out = io.StringIO()
+    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1,
+                  grace=1, output=out) == 4
+    assert "[launcher] worker 1 exited with code 4; stopping the others" in out.getvalue()
+    # A failed ps task ends the job: no restart, whatever max_restarts says.
+    failing_ps = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == 'ps':\n" \
+                 "    sys.exit(6)\ntime.sleep(120)\n"
+    out = io.StringIO()
+    assert launch(script(tmp_path, failing_ps, "ps3.py"), workers=1, ps=1, max_restarts=2, grace=1, output=out) == 6
+    assert "[launcher] ps 0 exited with code 6; stopping the others" in out.getvalue()
+    assert "restart" not in out.getvalue()
+    with pytest.raises(ValueError, match="ps= runs a parameter-server job on one machine"):
+        launch(script(tmp_path, "print(1)\n"), hosts="a:1", ps=1)
+
+
+def test_tf_config_of_a_parameter_server_cluster():
+    cluster = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]}
+    assert json.loads(tf_config(cluster, 1, "worker")) == {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+    with pytest.raises(ValueError, match=re.escape("task_type 'evaluator' is not a job of the cluster")):
+        tf_config(cluster, 0, "evaluator")
+    with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 1), got 1")):
+        tf_config(cluster, 1, "ps")
+    with pytest.raises(ValueError, match="The ps task's address 'h' is not of the form host:port"):
+        tf_config({"worker": ["h:1"], "ps": ["h"]}, 0)
+
+
+def test_k8s_manifest_of_a_parameter_server_job(capsys):
+    assert main(["k8s", "--workers", "4", "--ps", "2", "--image", "img:1", "--gpus-per-worker", "1", "t.py"]) == 0
+    specs = yaml.safe_load(capsys.readouterr().out)["spec"]["tfReplicaSpecs"]
+    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Chief": 1, "Worker": 4, "PS": 2}
+    for kind, spec in specs.items():
+        assert spec["restartPolicy"] == "OnFailure"
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["command"] == ["python", "t.py"]
+        assert ("resources" in container) == (kind != "PS")
+
+
+# --- Startup: the command line imports no TensorFlow ------------------------------------------
+
+
+_NO_TF = """
+import runpy, sys
+sys.argv = ["keras-replicator", *sys.argv[1:]]
+try:
+    runpy.run_module("keras_replicator", run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print("tensorflow imported:", "tensorflow" in sys.modules, "keras imported:", "keras" in sys.modules,
+      "exit", code)
+"""
+
+
+@pytest.mark.parametrize("command", [["--help"], ["launch", "--help"], ["launch", "--workers", "2", "REPORT"],
+                                     ["k8s", "--workers", "2", "--image", "i:1", "t.py"]])
+def test_the_command_line_imports_no_tensorflow(tmp_path, command):
+    command = [script(tmp_path, REPORT) if a == "REPORT" else a for a in command]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-c", _NO_TF, *command], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.rstrip().endswith("tensorflow imported: False keras imported: False exit 0"), (
+        result.stdout[-2000:] + result.stderr[-2000:])
+    assert result.stderr == ""  # no TensorFlow log lines
+    # ... and the package still imports it when used.
+    if command == ["--help"]:
+        check = subprocess.run(
+            [sys.executable, "-c", "import sys, keras_replicator as kr; assert 'tensorflow' not in sys.modules; "
+             "kr.ReplicatorStrategy; print('tensorflow' in sys.modules, sorted(kr.__all__) == sorted(set(dir(kr)) & set(kr.__all__)))"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
+
+
 # --- Kubernetes ------------------------------------------------------------------------------
 
 
@@ -201,13 +625,14 @@ def test_k8s_command_prints_the_manifest(capsys):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"workers": 0}, "workers must be an integer >= 1"),
+        ({"workers": 0}, "workers must be a positive integer"),
         ({"image": "my image"}, "image must be a container image reference"),
         ({"name": "-job"}, "name must be a Kubernetes name"),
         ({"name": "x" * 64}, "name must be a Kubernetes name"),
         ({"namespace": "Team"}, "namespace must be a Kubernetes name"),
-        ({"gpus_per_worker": -1}, "gpus_per_worker must be an integer >= 0"),
+        ({"gpus_per_worker": -1}, "gpus_per_worker must be a non-negative integer"),
         ({"restart_policy": "Sometimes"}, "restart_policy must be one of"),
+        ({"ps": -1}, "ps must be a non-negative integer"),
     ],
 )
 def test_bad_k8s_arguments(kwargs, message):

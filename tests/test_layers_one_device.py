@@ -185,7 +185,7 @@ def test_convert_errors():
     renorm = keras.Model(inputs, keras.layers.BatchNormalization(renorm=True, name="rn")(inputs))
     with pytest.raises(ValueError, match="Layer 'rn' uses batch renormalization"):
         kr.layers.convert_to_global_batch_norm(renorm)
-    with pytest.raises(ValueError, match="group_size must be >= 1"):
+    with pytest.raises(ValueError, match="group_size must be a positive integer"):
         kr.layers.convert_to_global_batch_norm(keras.Model(inputs, inputs), group_size=0)
 
 
@@ -199,8 +199,8 @@ def test_convert_errors():
         ({"axis": True}, TypeError, "axis must be an integer"),
         ({"momentum": 1.5}, ValueError, r"momentum must be in \[0, 1\], got 1.5"),
         ({"momentum": -0.1}, ValueError, r"momentum must be in \[0, 1\]"),
-        ({"momentum": "high"}, TypeError, "momentum must be a number"),
-        ({"epsilon": 0.0}, ValueError, "epsilon must be > 0"),
+        ({"momentum": "high"}, TypeError, "momentum must be a finite number"),
+        ({"epsilon": 0.0}, ValueError, "epsilon must be a positive number"),
         ({"center": 1}, TypeError, "center must be True or False"),
         ({"scale": None}, TypeError, "scale must be True or False"),
         ({"group_size": 0}, ValueError, "group_size must be >= 1, got 0"),

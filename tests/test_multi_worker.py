@@ -185,7 +185,7 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_chiefs_backu
     failed = re.search(r"fit failed at ([0-9.]+) with WorkerLostError", output)
     assert failed, output[-5000:]
     message = f"Lost worker 1 (/job:worker/task:1 at {addresses[1]}): it stopped responding"
-    assert f"keras_replicator.cluster.WorkerLostError: {message}" in output, output[-5000:]
+    assert f"keras_replicator.errors.WorkerLostError: {message}" in output, output[-5000:]
     assert "Restart every worker of the job" in output
     noticed = float(failed.group(1)) - killed
     print(f"worker loss noticed after {noticed:.1f} s, survivor exited after {exited - killed:.1f} s")
@@ -213,7 +213,7 @@ def test_missing_worker_fails_strategy_creation_within_startup_timeout(tmp_path)
         "t = time.monotonic()\n"
         "try:\n"
         "    kr.ReplicatorStrategy(startup_timeout=5)\n"
-        "except kr.cluster.ClusterStartupError as e:\n"
+        "except kr.ClusterStartupError as e:\n"
         "    print(f'after {time.monotonic() - t:.1f} s:', e)\n"
     )
     # Two separate clusters: in one only worker 0 (the coordination leader) starts, in the
@@ -245,9 +245,7 @@ def test_missing_worker_fails_strategy_creation_within_startup_timeout(tmp_path)
 def test_guide_example_runs_through_the_launcher(tmp_path):
     from tests.helpers import python_blocks
 
-    blocks = python_blocks("docs/multi_worker.md")
-    for i, block in enumerate(blocks[1:], start=1):
-        compile(block, f"multi_worker.md block {i}", "exec")  # fragments: they must at least parse
+    blocks = python_blocks("docs/multi_worker.md")  # the others run in test_docs_examples.py
     (tmp_path / "train.py").write_text(blocks[0])
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--devices-per-worker", "2",
                "--timeout", str(LAUNCH_TIMEOUT), "train.py"]

@@ -1,9 +1,17 @@
-"""Models and input pipelines of the tutorials, ready for replicated training.
+"""Models, input pipelines and recipes of the tutorials, one module or package per family.
 
-* :func:`resnet50`, :func:`resnet`: ResNet v1.5 with global batch norm,
-  zero-initialised residual gammas and weight decay on kernels only.
-* :mod:`keras_replicator.applications.imagenet`: the ImageNet input pipeline
-  (TFDS ``imagenet2012``, Inception-style crops) and the large-batch recipe.
+* `resnet50`, `resnet`, `apply_weight_decay` (package
+  `keras_replicator.applications.resnet`: `model.py` the network, `recipe.py`
+  the large-batch recipe `Recipe` and `mixed_precision_policy`): ResNet v1.5
+  with global batch norm, zero-initialised residual gammas and weight decay on
+  kernels only.
+* `keras_replicator.applications.imagenet`: the ImageNet input pipeline (TFDS
+  `imagenet2012`, Inception-style crops), shared by the tutorials that train on
+  ImageNet.
+* `keras_replicator.applications.tfds_input`: any TFDS data set read by file
+  shards, one share per input pipeline, with per-example seeds.
+* `keras_replicator.applications.d4pg`: D4PG (tutorial 3), Ray actors feeding a replicated
+  learner; its environments and actors need the `rl` extra.
 * `keras_replicator.applications.sngan`: the class-conditional SN-GAN of tutorial 2
   (models, the two-optimizer `SNGAN` step, digits/ImageNet data, FID and IS).
 
@@ -17,7 +25,7 @@ Example:
     ```
 """
 
-from keras_replicator.applications import imagenet, sngan
+from keras_replicator.applications import d4pg, imagenet, sngan, tfds_input
 from keras_replicator.applications.resnet import (
     RESNET50_BLOCKS,
     apply_weight_decay,
@@ -25,4 +33,13 @@ from keras_replicator.applications.resnet import (
     resnet50,
 )
 
-__all__ = ["RESNET50_BLOCKS", "apply_weight_decay", "imagenet", "resnet", "resnet50", "sngan"]
+__all__ = [
+    "RESNET50_BLOCKS",
+    "apply_weight_decay",
+    "d4pg",
+    "imagenet",
+    "resnet",
+    "resnet50",
+    "sngan",
+    "tfds_input",
+]

@@ -1,12 +1,12 @@
 """Cross-replica batch normalization that is numerically right.
 
-* :class:`GlobalBatchNormalization` normalizes with the statistics of the
+* `GlobalBatchNormalization` normalizes with the statistics of the
   global batch (every replica of every worker), or of groups of ``group_size``
   consecutive replicas, as TF-Replicator, BigGAN and compare_gan do.
-* :class:`ConditionalGlobalBatchNormalization` is its class-conditional variant
+* `ConditionalGlobalBatchNormalization` is its class-conditional variant
   (per-class ``gamma``/``beta``, as in SN-GAN and BigGAN generators).
-* :func:`convert_to_global_batch_norm` turns a Functional or Sequential model's
-  Keras ``BatchNormalization`` layers into :class:`GlobalBatchNormalization`,
+* `convert_to_global_batch_norm` turns a Functional or Sequential model's
+  Keras ``BatchNormalization`` layers into `GlobalBatchNormalization`,
   weights and moving statistics included.
 
 How the statistics are computed: each replica reduces its slice to
@@ -54,27 +54,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_replicator import _tf_internal, collectives
+from keras_replicator import collectives
+from keras_replicator._compat.all_reduce_gradient import gradient_tape_recording
+from keras_replicator._validation import check_bool, check_int, check_number
 
 __all__ = [
     "ConditionalGlobalBatchNormalization",
     "GlobalBatchNormalization",
     "convert_to_global_batch_norm",
 ]
-
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}.")
-    return value
-
-
-def _check_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
-    return float(value)
-
 
 def _check_group_size(group_size: int | None, num_replicas: int) -> None:
     """``group_size`` must divide the number of replicas (when there are several)."""
@@ -177,7 +165,7 @@ def _gather_rows(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
     One all-reduce: each replica contributes its own row and zeros elsewhere,
     and ``x + 0`` is exact (a TensorFlow all-gather would take two collectives).
     """
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     rid = collectives.replica_id()
     padding = [[rid, num_replicas - 1 - rid]] + [[0, 0]] * local.shape.rank
     gathered = collectives.all_reduce(tf.pad(local[tf.newaxis], padding))
@@ -187,7 +175,7 @@ def _gather_rows(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
 
 def _group_sum(local: tf.Tensor, group_size: int | None) -> tf.Tensor:
     """Sum of ``local`` over this replica's group (all replicas without groups)."""
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     if num_replicas == 1:
         return local
     if group_size is None or group_size == num_replicas:
@@ -208,7 +196,7 @@ def _group_statistics(
     without groups). Every replica computes the last two from the same
     numbers in the same order, so they are bit-identical across replicas.
     """
-    num_replicas = collectives.num_replicas()
+    num_replicas = collectives.replicas_in_step()
     if num_replicas == 1:
         # max(0, .): rounding can take M2 of a constant channel a hair below 0.
         variance = tf.maximum(tf.math.divide_no_nan(m2, count), 0.0)
@@ -362,7 +350,7 @@ def _train_normalize(
     def normalize(x, gamma, beta):
         # No gradient path through the exchange: the closed form below replaces
         # it, and it keeps tf.custom_gradient's search for variables inside
-        # this replica's graph (see _tf_internal.install_all_reduce_gradient_patch).
+        # this replica's graph (see keras_replicator._compat.all_reduce_gradient).
         moments = [tf.stop_gradient(m) for m in _local_moments(x, axis, None)]
         group_count, mean, variance, new_mean, new_variance = _group_statistics(
             *moments, group_size
@@ -371,7 +359,7 @@ def _train_normalize(
 
         def grad(dy, unused_dmean, unused_dvariance):
             del unused_dmean, unused_dvariance  # moving statistics are not differentiated
-            if _tf_internal.gradient_tape_recording():
+            if gradient_tape_recording():
                 # This gradient is itself being differentiated (a gradient
                 # penalty): the closed form holds the statistics fixed, so take
                 # the gradient of the plain computation instead, exact to any order.
@@ -488,19 +476,14 @@ class GlobalBatchNormalization(keras.layers.Layer):
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        self.axis = _check_int("axis", axis)
-        self.momentum = _check_float("momentum", momentum)
+        self.axis = check_int("axis", axis)
+        self.momentum = check_number("momentum", momentum)
         if not 0.0 <= self.momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}.")
-        self.epsilon = _check_float("epsilon", epsilon)
-        if not self.epsilon > 0.0:
-            raise ValueError(f"epsilon must be > 0, got {epsilon!r}.")
-        for name, flag in (("center", center), ("scale", scale)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}.")
-        self.center, self.scale = center, scale
+        self.epsilon = check_number("epsilon", epsilon, positive=True)
+        self.center, self.scale = check_bool("center", center), check_bool("scale", scale)
         if group_size is not None:
-            _check_int("group_size", group_size, minimum=1)
+            check_int("group_size", group_size, minimum=1)
             if tf.distribute.has_strategy():  # known now: fail before any work
                 _check_group_size(group_size, tf.distribute.get_strategy().num_replicas_in_sync)
         self.group_size = group_size
@@ -672,7 +655,7 @@ class GlobalBatchNormalization(keras.layers.Layer):
 class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
     """Class-conditional global batch normalization (SN-GAN / BigGAN generators).
 
-    Normalizes exactly as :class:`GlobalBatchNormalization` (same global or
+    Normalizes exactly as `GlobalBatchNormalization` (same global or
     grouped statistics, same moving statistics), then applies a per-class
     scale and offset: ``gamma`` and ``beta`` are ``[num_classes, features]``
     tables (class embeddings) and example ``i`` uses row ``class_ids[i]``.
@@ -695,18 +678,18 @@ class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
     Args:
         num_classes: the number of classes (rows of ``gamma`` and ``beta``).
         axis: the features axis; not the batch axis.
-        momentum: see :class:`GlobalBatchNormalization`.
-        epsilon: see :class:`GlobalBatchNormalization`.
+        momentum: see `GlobalBatchNormalization`.
+        epsilon: see `GlobalBatchNormalization`.
         center: if ``True``, add the per-class offset ``beta``.
         scale: if ``True``, multiply by the per-class scale ``gamma``.
-        group_size: see :class:`GlobalBatchNormalization`.
+        group_size: see `GlobalBatchNormalization`.
         **kwargs: the initializer, regularizer and constraint arguments of
-            :class:`GlobalBatchNormalization` (applied to the whole
+            `GlobalBatchNormalization` (applied to the whole
             ``[num_classes, features]`` tables) and base layer arguments.
 
     Call arguments:
         inputs: ``[x, class_ids]``.
-        training: as for :class:`GlobalBatchNormalization`.
+        training: as for `GlobalBatchNormalization`.
         mask: optional; a mask of ``x`` (or ``[mask_of_x, None]``).
     """
 
@@ -721,7 +704,7 @@ class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
         group_size: int | None = None,
         **kwargs: Any,
     ):
-        num_classes = _check_int("num_classes", num_classes, minimum=1)
+        num_classes = check_int("num_classes", num_classes, minimum=1)
         super().__init__(
             axis=axis,
             momentum=momentum,
@@ -846,7 +829,7 @@ def convert_to_global_batch_norm(
 
     Clones a Functional or Sequential model (nested Functional and Sequential
     models too) with each ``keras.layers.BatchNormalization`` replaced by a
-    :class:`GlobalBatchNormalization` of the same configuration, and copies
+    `GlobalBatchNormalization` of the same configuration, and copies
     every weight, moving statistics included, so the new model computes the
     same function. The original model is not modified. The copy is not
     compiled. This is PyTorch's ``SyncBatchNorm.convert_sync_batchnorm``.
@@ -870,7 +853,7 @@ def convert_to_global_batch_norm(
     Args:
         model: a Functional or Sequential Keras model.
         group_size: passed to every new layer (see
-            :class:`GlobalBatchNormalization`); ``None`` normalizes over all
+            `GlobalBatchNormalization`); ``None`` normalizes over all
             replicas.
 
     Returns:
@@ -879,7 +862,7 @@ def convert_to_global_batch_norm(
     Raises:
         TypeError: ``model`` is not a Functional or Sequential model (a
             subclassed model cannot be cloned; build it with
-            :class:`GlobalBatchNormalization` directly).
+            `GlobalBatchNormalization` directly).
         ValueError: a layer uses ``renorm=True``, or ``group_size`` is invalid.
     """
     if not isinstance(model, keras.Model):
@@ -892,7 +875,7 @@ def convert_to_global_batch_norm(
             "Use kr.layers.GlobalBatchNormalization in its definition instead."
         )
     if group_size is not None:
-        _check_int("group_size", group_size, minimum=1)
+        check_int("group_size", group_size, minimum=1)
     cloned_original = {}
 
     def clone(layer):
@@ -923,50 +906,3 @@ def convert_to_global_batch_norm(
             )
     converted.set_weights(old)
     return converted
-
-
-# --- plain Keras BatchNormalization under ReplicatorStrategy ------------------------
-
-
-def _replicating() -> bool:
-    """True under a keras_replicator strategy scope with more than one replica."""
-    if not tf.distribute.has_strategy():
-        return False
-    strategy = tf.distribute.get_strategy()
-    return bool(getattr(strategy, "_keras_replicator", False)) and strategy.num_replicas_in_sync > 1
-
-
-def install_batch_norm_guard() -> None:
-    """Keeps plain Keras ``BatchNormalization`` moving statistics identical across replicas.
-
-    Keras 3 (checked on 3.15) creates ``BatchNormalization``'s moving
-    statistics (and its renorm statistics) with
-    ``add_weight(trainable=False)``, i.e. ``aggregation="none"``, and updates
-    them in each replica with that replica's local batch statistics, so under a
-    strategy every replica ends with its own moving statistics and the
-    checkpoint keeps replica 0's. Created under a keras_replicator strategy
-    with 2+ replicas, these weights instead get ``aggregation="mean"``: each
-    update is averaged across replicas (TensorFlow all-reduces the assigned
-    value), so the moving statistics track the average of the replicas' local
-    statistics and are the same everywhere. Training-time normalization is
-    untouched (local statistics, as Keras documents). Layers with
-    ``synchronized=True`` need no help (their statistics are all-reduced) and
-    are left alone. Idempotent.
-    """
-    cls = keras.layers.BatchNormalization
-    if getattr(cls.__dict__.get("add_weight"), "_keras_replicator_guard", False):
-        return
-    original = cls.add_weight
-
-    def add_weight(self, *args, **kwargs):
-        if (
-            kwargs.get("trainable", True) is False
-            and kwargs.get("aggregation", "none") in (None, "none")
-            and not getattr(self, "synchronized", False)
-            and _replicating()
-        ):
-            kwargs["aggregation"] = "mean"
-        return original(self, *args, **kwargs)
-
-    add_weight._keras_replicator_guard = True
-    cls.add_weight = add_weight

@@ -33,6 +33,8 @@ from typing import Any
 
 import keras
 
+from keras_replicator._validation import check_choice, check_int, check_number
+
 _VARIANTS = ("v1.5", "keras_applications")
 _BLOCKS = ("bottleneck", "basic")
 _STEMS = ("imagenet", "small")
@@ -42,24 +44,8 @@ _BATCH_NORMS = ("global", "keras")
 RESNET50_BLOCKS = (3, 4, 6, 3)
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return value
-
-
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}.")
-    return value
-
-
 def _check_weight_decay(weight_decay: Any) -> float:
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
-        weight_decay >= 0
-    ):
-        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}.")
-    return float(weight_decay)
+    return check_number("weight_decay", weight_decay, non_negative=True)
 
 
 def _regularizer(weight_decay: float) -> keras.regularizers.Regularizer | None:
@@ -83,7 +69,7 @@ def apply_weight_decay(model: keras.Model, weight_decay: float) -> keras.Model:
     gradient of the penalty is ``weight_decay * kernel``; batch-normalization
     parameters and biases get none (Goyal et al., 2017; He et al., 2019). The
     regularizers are part of the layers' configs, so they survive saving and
-    :func:`keras_replicator.layers.convert_to_global_batch_norm`. Under a
+    `keras_replicator.layers.convert_to_global_batch_norm`. Under a
     strategy, Keras divides the penalty by the number of replicas like the data
     loss, so the update is the one-device update.
 
@@ -234,8 +220,8 @@ def resnet(
             images) or ``"small"`` (one 3x3/1 convolution, for 32x32 images).
         zero_init_residual: start each block's last batch-norm gamma at 0.
         weight_decay: L2 decay on convolution and dense kernels only (see
-            :func:`apply_weight_decay`); 0 for none.
-        batch_norm: ``"global"`` (:class:`keras_replicator.layers.GlobalBatchNormalization`,
+            `apply_weight_decay`); 0 for none.
+        batch_norm: ``"global"`` (`keras_replicator.layers.GlobalBatchNormalization`,
             statistics over all replicas) or ``"keras"`` (Keras's
             ``BatchNormalization``).
         bn_momentum: moving-average momentum of the batch-norm statistics.
@@ -243,7 +229,7 @@ def resnet(
         bn_kwargs: extra arguments for every batch-norm layer, e.g.
             ``{"group_size": 8}`` for grouped global batch norm.
         dtype: a dtype policy for every layer, e.g. ``"mixed_bfloat16"`` (see
-            :func:`keras_replicator.applications.imagenet.mixed_precision_policy`);
+            `keras_replicator.applications.resnet.mixed_precision_policy`);
             the classifier always computes in float32.
         name: the model's name.
 
@@ -256,20 +242,19 @@ def resnet(
     if isinstance(block_sizes, (str, bytes)) or not isinstance(block_sizes, Sequence) or not block_sizes:
         raise ValueError(f"block_sizes must be a non-empty sequence of positive integers, got {block_sizes!r}.")
     for n in block_sizes:
-        _check_positive_int("each entry of block_sizes", n)
-    _check_positive_int("num_classes", num_classes)
-    _check_positive_int("width", width)
-    _check_choice("block", block, _BLOCKS)
-    _check_choice("stem", stem, _STEMS)
-    _check_choice("batch_norm", batch_norm, _BATCH_NORMS)
+        check_int("each entry of block_sizes", n, minimum=1)
+    check_int("num_classes", num_classes, minimum=1)
+    check_int("width", width, minimum=1)
+    check_choice("block", block, _BLOCKS)
+    check_choice("stem", stem, _STEMS)
+    check_choice("batch_norm", batch_norm, _BATCH_NORMS)
     weight_decay = _check_weight_decay(weight_decay)
     input_shape = tuple(input_shape)
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (height, width, channels), got {input_shape!r}.")
-    if not 0.0 <= bn_momentum < 1.0:
+    if not 0.0 <= check_number("bn_momentum", bn_momentum) < 1.0:
         raise ValueError(f"bn_momentum must be in [0, 1), got {bn_momentum!r}.")
-    if not bn_epsilon > 0:
-        raise ValueError(f"bn_epsilon must be > 0, got {bn_epsilon!r}.")
+    check_number("bn_epsilon", bn_epsilon, positive=True)
 
     b = _Builder(
         weight_decay=weight_decay,
@@ -327,11 +312,11 @@ def resnet50(
     """ResNet-50 for replicated training: 25.6M parameters at 1000 classes.
 
     ``variant="v1.5"`` (the default) builds the reference ResNet-50 v1.5 with
-    :func:`resnet`: 25,557,032 trainable parameters at 1000 classes, as
+    `resnet`: 25,557,032 trainable parameters at 1000 classes, as
     torchvision's ``resnet50``. ``variant="keras_applications"`` returns
     ``keras.applications.ResNet50`` (ResNet v1, with convolution biases) with
     every ``BatchNormalization`` converted by
-    :func:`keras_replicator.layers.convert_to_global_batch_norm`, the same weight
+    `keras_replicator.layers.convert_to_global_batch_norm`, the same weight
     decay rule and, when training from scratch, the same zero-initialised gammas;
     use it to start from Keras's pretrained ``weights``.
 
@@ -363,7 +348,7 @@ def resnet50(
     Raises:
         ValueError: an argument is out of range or does not fit the variant.
     """
-    _check_choice("variant", variant, _VARIANTS)
+    check_choice("variant", variant, _VARIANTS)
     if variant == "v1.5":
         if weights is not None:
             raise ValueError(
@@ -381,7 +366,7 @@ def resnet50(
             dtype=dtype,
             name="resnet50_v1_5",
         )
-    _check_positive_int("num_classes", num_classes)
+    check_int("num_classes", num_classes, minimum=1)
     _check_weight_decay(weight_decay)
     if batch_norm != "global" or bn_kwargs:
         raise ValueError(

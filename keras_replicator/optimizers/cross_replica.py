@@ -25,63 +25,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from keras_replicator import _tf_internal
+from keras_replicator._compat import keras_optimizer
+from keras_replicator._validation import check_bool, check_choice, check_number
 from keras_replicator.collectives import all_reduce
-
-_COMPRESSIONS = {"float16": tf.float16, "bfloat16": tf.bfloat16}
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return value
-
-
-def _cast_gradient(g, dtype):
-    """Casts a gradient (tensor or ``IndexedSlices``) to ``dtype``."""
-    if g is None or g.dtype == dtype:
-        return g
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
-    return tf.cast(g, dtype)
-
-
-def _clip_by_global_norm(grads, clip_norm) -> list:
-    """``tf.clip_by_global_norm``, bit-identical on every replica.
-
-    ``tf.clip_by_global_norm`` multiplies with ``*``; Grappler's arithmetic
-    optimizer (TF 2.21) then re-associates the chain ``g * scale * learning_rate``
-    of the update differently on different replicas, leaving their weights one
-    float32 ulp apart. ``multiply_no_nan`` is not re-associated, and equals ``*``
-    here since the scale is never 0 (it is NaN for a non-finite norm, as in TF).
-    """
-    norm = tf.linalg.global_norm(grads)
-    scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
-
-    def one(g):
-        if isinstance(g, tf.IndexedSlices):
-            values = tf.math.multiply_no_nan(g.values, tf.cast(scale, g.dtype))
-            return tf.IndexedSlices(values, g.indices, g.dense_shape)
-        return tf.math.multiply_no_nan(g, tf.cast(scale, g.dtype))
-
-    return [one(g) for g in grads]
-
-
-def _all_finite(grads) -> tf.Tensor:
-    checks = [
-        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-        for g in grads
-        if g is not None
-    ]
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+from keras_replicator.optimizers.gradient_transforms import (
+    COMPRESSIONS,
+    GradientAccumulator,
+    NonFiniteSkip,
+    all_finite,
+    clip_by_global_norm,
+    compress,
+    decompress,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_replicator")
@@ -184,34 +145,24 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
                     "per update and keeps replicas identical)."
                 )
             inner = getattr(inner, "inner_optimizer", None)
-        accumulation_steps = _check_positive_int("accumulation_steps", accumulation_steps)
-        if compression is not None and compression not in _COMPRESSIONS:
-            raise ValueError(
-                f"compression must be None, 'float16' or 'bfloat16', got {compression!r}."
-            )
-        if clip_global_norm is not None:
-            if (
-                isinstance(clip_global_norm, bool)
-                or not isinstance(clip_global_norm, (int, float))
-                or not math.isfinite(clip_global_norm)
-                or clip_global_norm <= 0
-            ):
-                raise ValueError(
-                    f"clip_global_norm must be a positive number or None, got {clip_global_norm!r}."
-                )
-            clip_global_norm = float(clip_global_norm)
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}.")
+        accumulator = GradientAccumulator(accumulation_steps)
+        if compression is not None:
+            check_choice("compression", compression, (None, *COMPRESSIONS))
+        clip_global_norm = check_number(
+            "clip_global_norm", clip_global_norm, positive=True, optional=True
+        )
+        skip_nonfinite = check_bool("skip_nonfinite", skip_nonfinite)
 
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = accumulator.steps
+        self._accumulator = accumulator
+        self._non_finite = NonFiniteSkip() if skip_nonfinite else None
         self.compression = compression
         self.clip_global_norm = clip_global_norm
         self.skip_nonfinite = skip_nonfinite
         self._strategy = tf.distribute.get_strategy()
-        self._accumulators = []
-        _tf_internal.skip_optimizer_gradient_all_reduce(optimizer)
+        keras_optimizer.skip_optimizer_gradient_all_reduce(optimizer)
 
     # --- state -----------------------------------------------------------------
 
@@ -227,20 +178,6 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         """
         if self.built:
             return
-        # LossScaleOptimizer.build builds its inner optimizer directly; if that is us, the
-        # order is wrong (see the class docstring). The caller's frame is the one place
-        # where that shows before training starts.
-        caller = sys._getframe(1).f_locals.get("self")
-        if isinstance(caller, keras.optimizers.LossScaleOptimizer) and (
-            caller.inner_optimizer is self
-        ):
-            raise ValueError(
-                "A LossScaleOptimizer wraps this CrossReplicaOptimizer; the order must be the "
-                "other way round, so that the loss scale sees the all-reduced gradient: "
-                "CrossReplicaOptimizer(keras.optimizers.LossScaleOptimizer(opt)). With a "
-                "'mixed_float16' policy, also pass model.compile(..., auto_scale_loss=False), "
-                "or Keras adds the outer LossScaleOptimizer itself."
-            )
         if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not self._strategy:
             raise ValueError(
                 "This CrossReplicaOptimizer was created outside the scope of the strategy its "
@@ -252,33 +189,13 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         with scope:
             super().build(var_list)
             self.inner_optimizer.build(var_list)
-            self._skipped_steps = self.add_variable(
-                shape=(),
-                dtype="int",
-                initializer="zeros",
-                aggregation="only_first_replica",
-                name="skipped_steps",
-            )
-            accumulators = []
+            # Always made (not only with skip_nonfinite), so checkpoints have one layout.
+            skip = self._non_finite or NonFiniteSkip()
+            skip.build(self.add_variable)
+            self._skipped_steps = skip.skipped_steps
             if self.accumulation_steps > 1:
                 with keras.name_scope(self.name, caller=self):
-                    for v in var_list:
-                        # One copy per replica (synchronised on read): each replica sums
-                        # its own micro-batch gradients. Read across replicas (saving),
-                        # the value is the sum; restoring divides it evenly, so a run
-                        # resumed on another number of replicas all-reduces the same sum.
-                        acc = keras.Variable(
-                            initializer="zeros",
-                            shape=v.shape,
-                            dtype=v.dtype,
-                            trainable=False,
-                            aggregation="sum",
-                            synchronization="on_read",
-                            name=f"{getattr(v, 'path', v.name).replace('/', '_')}_accumulator",
-                        )
-                        self._track_variable(acc)
-                        accumulators.append(acc)
-            self._accumulators = accumulators
+                    self._accumulator.build(var_list, track=self._track_variable)
 
     @property
     def variables(self) -> list:
@@ -307,6 +224,11 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
     def micro_steps(self):
         """Number of gradient batches received (``apply`` calls), as a variable."""
         return self._iterations
+
+    @property
+    def accumulators(self) -> list:
+        """The per-replica gradient sums of the update in progress (empty without accumulation)."""
+        return list(self._accumulator.accumulators)
 
     @property
     def skipped_steps(self):
@@ -368,10 +290,7 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
             if k > 1:
                 indices = [self._get_variable_index(v) for v in trainable_variables]
                 present = [g is not None for g in grads]
-                for g, i in zip(grads, indices):
-                    if g is not None:
-                        acc = self._accumulators[i]
-                        acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+                self._accumulator.add(grads, indices)
                 # Python values go by closure: merge_call regroups its args per replica.
                 merge_fn = functools.partial(
                     self._cross_replica_apply,
@@ -409,26 +328,23 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
             # The reduced gradient is the same on every replica (and worker), so
             # replica 0's verdict is everyone's.
             finite = strategy.experimental_local_results(
-                extended.call_for_each_replica(_all_finite, args=(reduced,))
+                extended.call_for_each_replica(all_finite, args=(reduced,))
             )[0]
-            self._skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self._skipped_steps.dtype))
-            if self._loss_scale_optimizer() is not None:
-                # The LossScaleOptimizer must see the step to lower its scale.
-                extended.call_for_each_replica(
-                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
-                )
-                return
 
             def apply_reduced():
                 extended.call_for_each_replica(
                     self.inner_optimizer.apply, args=(reduced, trainable_variables)
                 )
 
-            tf.cond(finite, apply_reduced, lambda: None)
+            if self._loss_scale_optimizer() is not None:
+                # The LossScaleOptimizer must see the step to lower its scale.
+                self._non_finite.count(finite)
+                apply_reduced()
+            else:
+                self._non_finite.apply_if_finite(finite, apply_reduced)
 
         if self.accumulation_steps > 1:
-            is_update = tf.equal((self._iterations + 1) % self.accumulation_steps, 0)
-            tf.cond(is_update, reduce_and_apply, lambda: None)
+            tf.cond(self._accumulator.is_update_step(self._iterations), reduce_and_apply, lambda: None)
         else:
             reduce_and_apply()
         self._iterations.assign_add(1)
@@ -436,29 +352,16 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
     def _replica_reduce(self, grads, source):
         """All-reduces this replica's gradients (or accumulated sums); runs per replica."""
         if source is not None:
-            indices, present = source
-            grads = []
-            for i, p in zip(indices, present):
-                if not p:
-                    grads.append(None)
-                    continue
-                acc = self._accumulators[i]
-                total = tf.identity(acc.value)
-                # Reset only after the read (automatic control dependencies order them).
-                with tf.control_dependencies([total]):
-                    acc.assign(tf.zeros_like(total))
-                grads.append(total / self.accumulation_steps)
+            grads = self._accumulator.take(*source)
         positions = [i for i, g in enumerate(grads) if g is not None]
         values = [grads[i] for i in positions]
         dtypes = [g.dtype for g in values]
-        if self.compression is not None:
-            wire = _COMPRESSIONS[self.compression]
-            values = [_cast_gradient(g, wire) if g.dtype.is_floating else g for g in values]
+        values = compress(values, self.compression)
         values = all_reduce(values, "sum") if values else values
-        values = [_cast_gradient(g, d) for g, d in zip(values, dtypes)]
+        values = decompress(values, dtypes)
         if self.clip_global_norm is not None and values:
             clip = tf.cast(self.clip_global_norm, tf.float32) * self._gradient_scale()
-            values = _clip_by_global_norm(values, clip)
+            values = clip_by_global_norm(values, clip)
         out = [None] * len(grads)
         for i, g in zip(positions, values):
             out[i] = g
@@ -510,7 +413,7 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
 
 def wrap_optimizer(optimizer: keras.optimizers.Optimizer | str, **kwargs: Any) -> CrossReplicaOptimizer:
-    """TF-Replicator's name for :class:`CrossReplicaOptimizer`: ``wrap_optimizer(opt, **kw)``.
+    """TF-Replicator's name for `CrossReplicaOptimizer`: ``wrap_optimizer(opt, **kw)``.
 
     Example:
         ```python
@@ -519,6 +422,14 @@ def wrap_optimizer(optimizer: keras.optimizers.Optimizer | str, **kwargs: Any) -
 
     Args:
         optimizer: the Keras optimizer to wrap.
-        **kwargs: the keyword arguments of :class:`CrossReplicaOptimizer`.
+        **kwargs: the keyword arguments of `CrossReplicaOptimizer`.
     """
     return CrossReplicaOptimizer(optimizer, **kwargs)
+
+
+def _is_cross_replica(optimizer) -> bool:
+    return isinstance(optimizer, CrossReplicaOptimizer)
+
+
+# A LossScaleOptimizer around a CrossReplicaOptimizer is refused when it is made.
+keras_optimizer.refuse_outer_loss_scale_optimizer(_is_cross_replica)

@@ -1,0 +1,141 @@
+"""D4PG throughput (tutorial 3): actor environment steps/s with 1, 2 and 4 Ray actors, and
+learner updates/s on 1 device and 2 and 4 simulated replicas, measured in one run.
+
+Run ``python -m benchmarks.d4pg`` (``make bench-d4pg``; about 4 minutes on 2 cores). Actors:
+each configuration starts a local Ray instance on 127.0.0.1, keeps every actor busy with
+`run` calls of 50 Pendulum-v1 steps (the full-size policy, evaluated with NumPy) for a timed
+window after a warm-up, and counts the steps returned. Learner: each replica count runs in its
+own interpreter (the number of simulated devices is fixed when TensorFlow starts), trains
+`D4PGLearner` (Acme's network sizes, global batch 256) by `model.fit` on a repeated in-memory
+batch, and reports the median of timed windows after a warm-up. The configurations take turns
+window by window (learner) so that a shared machine's drift hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+LEARNER_CODE = r"""
+import json, os, sys, time
+import numpy as np
+import keras_replicator as kr
+replicas = int(sys.argv[1]); windows = int(sys.argv[2]); steps = int(sys.argv[3])
+kr.simulate_devices(replicas)
+import keras, tensorflow as tf
+from keras_replicator.applications import d4pg
+strategy = kr.ReplicatorStrategy()
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    learner = d4pg.D4PGLearner.create(3, [-2.0], [2.0])
+    learner.compile()
+rng = np.random.default_rng(0)
+b = 256
+batch = {"observation": rng.normal(size=(b, 3)).astype("f4"),
+         "action": rng.uniform(-2, 2, size=(b, 1)).astype("f4"),
+         "reward": rng.normal(size=b).astype("f4"), "discount": np.full(b, 0.95, "f4"),
+         "next_observation": rng.normal(size=(b, 3)).astype("f4")}
+ds = strategy.distribute_dataset(tf.data.Dataset.from_tensors(batch).repeat().unbatch(),
+                                 global_batch_size=b)
+learner.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+print("READY", flush=True)
+for _ in range(windows):
+    sys.stdin.readline()
+    t = time.perf_counter()
+    learner.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    print("WINDOW", steps / (time.perf_counter() - t), flush=True)
+"""
+
+
+def learner_throughput(replica_counts=(1, 2, 4), windows=5, steps=30) -> dict:
+    """Median updates/s per replica count; the processes take turns window by window."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    procs = {}
+    for k in replica_counts:
+        procs[k] = subprocess.Popen(
+            [sys.executable, "-c", LEARNER_CODE, str(k), str(windows), str(steps)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    for p in procs.values():
+        while (line := p.stdout.readline()) and not line.startswith("READY"):
+            pass
+    rates = {k: [] for k in replica_counts}
+    for _ in range(windows):
+        for k, p in procs.items():
+            p.stdin.write("\n")
+            p.stdin.flush()
+            while (line := p.stdout.readline()) and not line.startswith("WINDOW"):
+                pass
+            rates[k].append(float(line.split()[1]))
+    for p in procs.values():
+        p.stdin.close()
+        p.wait(timeout=120)
+    return {k: float(np.median(v)) for k, v in rates.items()}
+
+
+def actor_throughput(actor_counts=(1, 2, 4), seconds=10.0, steps_per_call=50) -> dict:
+    """Environment steps/s of all actors together, for each actor count."""
+    from keras_replicator.applications import d4pg
+    from keras_replicator.applications.d4pg import actors
+
+    weights = d4pg.make_policy(3, [-2.0], [2.0]).get_weights()
+    out = {}
+    for k in actor_counts:
+        ray = actors.start_ray()
+        try:
+            pool = actors.make_actors("Pendulum-v1", k, seed=0, reward_scale=0.1)
+            ref = ray.put(weights)
+            ray.get([a.run.remote(ref, steps_per_call) for a in pool])  # warm-up
+            pending = {a.run.remote(ref, steps_per_call): a for a in pool}
+            steps, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for r in done:
+                    steps += ray.get(r)[2]
+                    actor = pending.pop(r)
+                    pending[actor.run.remote(ref, steps_per_call)] = actor
+            elapsed = time.perf_counter() - start
+            ray.wait(list(pending), num_returns=len(pending), timeout=30)
+            out[k] = steps / elapsed
+        finally:
+            actors.stop_ray()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "d4pg_throughput.json"))
+    args = p.parse_args(argv)
+    t0 = time.time()
+    acting = actor_throughput()
+    learning = learner_throughput()
+    result = {"actor_env_steps_per_s": acting, "learner_updates_per_s": learning,
+              "cpu_count": os.cpu_count(), "seconds": time.time() - t0}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    lines = ["| configuration | throughput |", "|---|---|"]
+    for k, v in acting.items():
+        lines.append(f"| {k} actor{'s' if k > 1 else ''} (Pendulum-v1) | {v:,.0f} env steps/s |")
+    for k, v in learning.items():
+        what = "1 device" if k == 1 else f"{k} simulated replicas"
+        lines.append(f"| learner, {what}, global batch 256 | {v:.1f} updates/s "
+                     f"({v / learning[min(learning)]:.2f}x one device) |")
+    lines.append("")
+    lines.append(f"Measured by `python -m benchmarks.d4pg` in {result['seconds']:.0f} s on "
+                 f"{os.cpu_count()} CPU cores.")
+    table = "\n".join(lines) + "\n"
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

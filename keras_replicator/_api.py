@@ -1,0 +1,65 @@
+"""The public surface of `keras_replicator`, imported by the package's `__init__`."""
+
+from keras_replicator import (
+    applications,
+    callbacks,
+    cluster,
+    cross_device_ops,
+    data,
+    errors,
+    layers,
+    optimizers,
+    schedules,
+    testing,
+)
+from keras_replicator.async_strategy import AsyncReplicatorStrategy
+from keras_replicator.cluster import local_devices, simulate_devices
+from keras_replicator.collectives import (
+    all_gather,
+    all_reduce,
+    broadcast,
+    num_replicas,
+    replica_id,
+)
+from keras_replicator.cross_device_ops import PackedReductionToOneDevice
+from keras_replicator.errors import (
+    ClusterConfigError,
+    ClusterStartupError,
+    DeviceConfigurationError,
+    WorkerLostError,
+)
+from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
+from keras_replicator.saving import save_model
+from keras_replicator.strategy import ReplicatorStrategy
+
+# Sorted; the exceptions users catch most are also here (the rest are in `kr.errors`),
+# and `wrap_optimizer` is TF-Replicator's name for `CrossReplicaOptimizer`.
+__all__ = [
+    "AsyncReplicatorStrategy",
+    "ClusterConfigError",
+    "ClusterStartupError",
+    "CrossReplicaOptimizer",
+    "DeviceConfigurationError",
+    "PackedReductionToOneDevice",
+    "ReplicatorStrategy",
+    "WorkerLostError",
+    "all_gather",
+    "all_reduce",
+    "applications",
+    "broadcast",
+    "callbacks",
+    "cluster",
+    "cross_device_ops",
+    "data",
+    "errors",
+    "layers",
+    "local_devices",
+    "num_replicas",
+    "optimizers",
+    "replica_id",
+    "save_model",
+    "schedules",
+    "simulate_devices",
+    "testing",
+    "wrap_optimizer",
+]

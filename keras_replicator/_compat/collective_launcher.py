@@ -1,0 +1,76 @@
+"""TensorFlow's collective launcher: instance keys that follow execution, not tracing.
+
+Patches (subclasses and swaps in): `cross_device_utils.CollectiveReplicaLauncher`
+inside a `cross_device_ops.CollectiveAllReduce` (its private `_launchers`,
+`_group_key`, `_group_size`, `_collective_keys`, `_device`, `_options`).
+Why: see `_ExecutionOrderedLauncher`. Checked on TensorFlow 2.16-2.21.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util, resource_variable_ops
+
+
+class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
+    """A collective launcher whose instance keys follow execution, not tracing.
+
+    Why (TF 2.16-2.21): inside TF2 functions, stock launchers feed each
+    collective's instance key at call time through
+    `FuncGraph.capture_call_time_value`. That deferred capture is lost when
+    the traced function is later called from a control-flow branch of an outer
+    function, which Keras 3 does in two common cases: `steps_per_execution > 1`
+    (a `tf.cond` in a `tf.while_loop` around `strategy.run`), and any step
+    that creates variables on its first call (TensorFlow wraps the traced step in
+    a `tf.cond` on "variables initialised"), e.g. a GAN's optimizers built
+    lazily in `train_step`. Both fail with "You must feed a value for
+    placeholder tensor" (keras-team/keras#19246), on stock MirroredStrategy too.
+
+    Here each launcher keeps an execution counter in a host variable and the key
+    of a collective is `base + counter.assign_add(1)`. Every replica (and every
+    worker) runs the same sequence of collectives on its device, so the keys
+    agree; they depend on what ran, not on when each process traced, so a worker
+    that retraces alone does not fall out of step (the reason TF abandoned
+    trace-time keys).
+    """
+
+    _KEY_BASE = 1 << 30  # above the keys TensorFlow hands out from Python
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        host = tf.DeviceSpec.from_string(self._device).replace(device_type="CPU", device_index=0)
+        with ops.init_scope(), ops.device(host.to_string()):
+            self._executions = resource_variable_ops.ResourceVariable(
+                tf.constant(0, tf.int64), trainable=False, name="collective_executions"
+            )
+
+    def _next_instance_key(self):
+        if (
+            context.executing_eagerly()
+            or not self._use_unique_instance_key()
+            or control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+        ):
+            return super()._next_instance_key()
+        with ops.device(self._executions.device):
+            count = self._executions.assign_add(1, read_value=True)
+            return tf.cast(self._KEY_BASE + count % self._KEY_BASE, tf.int32)
+
+
+def make_control_flow_safe(ops_obj):
+    """Gives a `CollectiveAllReduce` cross-device ops object execution-ordered keys.
+
+    Replaces its launchers in place and returns it; other cross-device ops
+    (reduction to one device, NCCL batch ops) need no fix and are returned as
+    they are.
+    """
+    if isinstance(ops_obj, cross_device_ops.CollectiveAllReduce):
+        launchers = ops_obj._launchers
+        for i, old in enumerate(launchers):
+            if type(old) is cross_device_utils.CollectiveReplicaLauncher:
+                launchers[i] = _ExecutionOrderedLauncher(
+                    old._group_key, old._group_size, old._collective_keys, old._device, old._options
+                )
+    return ops_obj

@@ -1,0 +1,220 @@
+"""The mirrored and collective replication engines, made safe for Keras 3.
+
+`ReplicatorStrategy` reuses TensorFlow's engines instead of re-implementing
+replica threads, device placement and cross-device reductions:
+`mirrored_strategy.MirroredExtended` on one machine and
+`collective_all_reduce_strategy.CollectiveAllReduceExtended` across workers.
+What this module overrides, and the private state it reads, checked on
+TensorFlow 2.16-2.21:
+
+* both: the strategy's `_collective_key_base` (read by the engines' constructors:
+  each strategy instance gets its own collective keys);
+* `MirroredExtended._make_collective_ops_with_fallbacks` and
+  `_initialize_strategy`: execution-ordered collective keys, an explicit
+  `communication=`;
+* `CollectiveAllReduceExtended._initialize_multi_worker` (bounded start-up, a
+  process joins one cluster, a clear error) and `_initialize_local_devices`
+  (every logical local device, not one CPU); reads `_cluster_spec`,
+  `_task_type`, `_task_id`, `_num_workers`, `_id_in_cluster`, `_is_chief`,
+  `_cluster_resolver`, `_cross_device_ops`, `_host_cross_device_ops`,
+  `_std_server_started`, `_enable_check_health`.
+
+The engines expose what the strategy needs as public properties
+(`num_workers`, `worker_index`, `is_chief`, `cluster_resolver`,
+`lost_worker_error`), so nothing outside this package reads TensorFlow's private
+state.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+from tensorflow.python.distribute import (
+    collective_all_reduce_strategy,
+    mirrored_strategy,
+)
+from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
+
+from keras_replicator import cluster
+from keras_replicator._compat import coordination
+from keras_replicator._compat.collective_launcher import make_control_flow_safe
+from keras_replicator.errors import ClusterStartupError, WorkerLostError
+
+# Each strategy instance gets a disjoint range of collective group keys. Workers
+# of one job create their strategies in the same order, so they agree.
+_COLLECTIVE_KEY_STRIDE = 100_000
+_instance_counter = itertools.count(1)
+# The cluster this process joined (its TensorFlow server runs for good): later
+# multi-worker strategies of the same cluster reuse it.
+_joined_cluster: tuple | None = None
+
+
+def _give_collective_keys(strategy) -> None:
+    # Read by the engines' __init__: must be set before they run.
+    strategy._collective_key_base = next(_instance_counter) * _COLLECTIVE_KEY_STRIDE
+
+
+class ReplicatorExtended(mirrored_strategy.MirroredExtended):
+    """Single-worker replication engine: `MirroredExtended` made safe for Keras 3."""
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None, communication=None):
+        _give_collective_keys(container_strategy)
+        # Read by _make_collective_ops_with_fallbacks during super().__init__.
+        self._kr_communication = communication
+        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+
+    def _make_collective_ops_with_fallbacks(self):
+        ops_obj = super()._make_collective_ops_with_fallbacks()
+        if self._kr_communication is not None and isinstance(
+            ops_obj, tf_cross_device_ops.CollectiveAllReduce
+        ):
+            # An explicit communication= replaces TensorFlow's choice for the local all-reduce.
+            self._communication_options = tf.distribute.experimental.CommunicationOptions(
+                implementation=self._kr_communication
+            )
+            ops_obj = tf_cross_device_ops.CollectiveAllReduce(
+                devices=self._devices,
+                group_size=len(self._devices),
+                options=self._communication_options,
+                collective_keys=self._collective_keys,
+            )
+        return make_control_flow_safe(ops_obj)
+
+    def _initialize_strategy(self, devices):
+        super()._initialize_strategy(devices)
+        # A user-given CollectiveAllReduce needs the same fix as the default one.
+        make_control_flow_safe(self._cross_device_ops)
+
+    @property
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        """The cross-device ops the engine all-reduces with."""
+        return self._cross_device_ops
+
+    num_workers = 1
+    worker_index = 0
+    is_chief = True
+    cluster_resolver = None
+
+    def lost_worker_error(self, error: Exception) -> WorkerLostError | None:
+        return None
+
+
+class ReplicatorMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+    """Multi-worker replication engine: `CollectiveAllReduceExtended` made safe for Keras 3.
+
+    Between-graph replication: every worker runs the same program over its local
+    devices, and collectives over gRPC join the replicas of all workers. Adds to
+    TensorFlow's engine: execution-ordered collective keys (as the local engine),
+    every logical local device (not only one CPU), bounded waits at start-up and
+    after a failure (the coordination service's timeouts), and naming a lost
+    worker when a step fails because of it.
+    """
+
+    def __init__(
+        self,
+        container_strategy,
+        cluster_resolver,
+        *,
+        devices: list[str] | None,
+        communication,
+        failure_timeout: float,
+        startup_timeout: float,
+    ):
+        _give_collective_keys(container_strategy)
+        self._kr_devices = devices
+        self._kr_failure_timeout = failure_timeout
+        self._kr_startup_timeout = startup_timeout
+        super().__init__(
+            container_strategy,
+            cluster_resolver=cluster_resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=communication
+            ),
+        )
+        self._task_names = cluster.task_names(self._cluster_spec)
+        self._my_task = f"/job:{self._task_type}/replica:0/task:{self._task_id}"
+
+    def _initialize_multi_worker(self, cluster_resolver):
+        global _joined_cluster
+        spec = cluster_resolver.cluster_spec()
+        me = f"{cluster_resolver.task_type} {cluster_resolver.task_id}"
+        key = (repr(sorted(spec.as_dict().items())), cluster_resolver.task_type, cluster_resolver.task_id)
+        if _joined_cluster is not None:
+            if _joined_cluster != key:
+                raise ClusterStartupError(
+                    f"{me}: this process already joined another cluster; a process can be part of "
+                    "one cluster only."
+                )
+            # Same cluster: its server and coordination already run (read by super()).
+            self._std_server_started = True
+            self._enable_check_health = False
+        elif coordination.tensorflow_initialized():
+            raise ClusterStartupError(
+                f"{me}: TensorFlow had already started when the multi-worker ReplicatorStrategy was "
+                "created. Create the strategy first thing in the program, before any tensor, model "
+                "or dataset (kr.simulate_devices may come before it)."
+            )
+        coordination.configure_coordination_service(
+            spec, heartbeat_timeout=self._kr_failure_timeout, startup_timeout=self._kr_startup_timeout
+        )
+        try:
+            super()._initialize_multi_worker(cluster_resolver)
+        except (tf.errors.OpError, RuntimeError) as e:
+            mine = f"/job:{cluster_resolver.task_type}/replica:0/task:{cluster_resolver.task_id}"
+            raise coordination.startup_error(
+                e, spec, mine, cluster.task_names(spec), self._kr_startup_timeout
+            ) from e
+        _joined_cluster = key
+        make_control_flow_safe(self._cross_device_ops)
+        make_control_flow_safe(self._host_cross_device_ops)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        mine = tf.DeviceSpec.from_string(worker_device)
+
+        def local(kind):
+            found = []
+            for d in tf.config.list_logical_devices(kind):
+                spec = tf.DeviceSpec.from_string(d.name)
+                if spec.job in (None, "localhost") or (spec.job == mine.job and spec.task == mine.task):
+                    found.append(f"/device:{kind}:{spec.device_index}")
+            return sorted(set(found), key=lambda n: int(n.rsplit(":", 1)[1]))
+
+        if self._kr_devices is None:
+            names = local("GPU") or local("CPU")
+        else:
+            known = set(local("GPU") + local("CPU"))
+            for d in self._kr_devices:
+                if d not in known:
+                    raise ValueError(f"Device {d!r} does not exist on {worker_device}; it has {sorted(known)}.")
+            names = self._kr_devices
+        kind = "GPU" if "GPU" in names[0] else "CPU"
+        return tuple(f"{worker_device}{n}" for n in names), kind
+
+    @property
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        """The cross-device ops the engine all-reduces with."""
+        return self._cross_device_ops
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self._id_in_cluster
+
+    @property
+    def is_chief(self) -> bool:
+        return bool(self._is_chief)
+
+    @property
+    def cluster_resolver(self):
+        return self._cluster_resolver
+
+    def lost_worker_error(self, error: Exception) -> WorkerLostError | None:
+        """A WorkerLostError naming the lost worker(s) if `error` came from one, else None."""
+        return coordination.lost_worker_error(
+            error, names=self._task_names, my_task=self._my_task,
+            failure_timeout=self._kr_failure_timeout,
+        )

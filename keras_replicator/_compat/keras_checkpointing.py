@@ -1,0 +1,128 @@
+"""Keras's checkpointing callbacks in multi-worker jobs: only the chief writes.
+
+Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
+`on_train_begin`, `on_train_end` (keras.src.callbacks; checked on Keras 3.15), and
+reads `BackupAndRestore`'s private path attributes. Acts only for
+keras_replicator's strategies with more than one worker. Permanent (idempotent):
+callbacks run outside any strategy scope.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+from keras.src.callbacks import backup_and_restore, model_checkpoint
+
+from keras_replicator._compat.keras_trainer import multi_worker
+
+
+def _callback_strategy(callback):
+    model = getattr(callback, "model", None)
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy if multi_worker(strategy) else None
+
+
+class _PathsRedirected:
+    """On a non-chief worker, points a callback's output paths into a temporary directory.
+
+    Every worker runs the same save (the same reads of every variable, so any
+    collective a read needs happens on all workers alike), but only the chief's
+    files land where the user asked; the others' are removed afterwards.
+    """
+
+    def __init__(self, callback, attributes, strategy):
+        self.callback, self.attributes = callback, attributes
+        self.tmp = tempfile.mkdtemp(prefix=f"keras_replicator_worker{strategy.worker_index}_")
+
+    def redirect(self, path: str) -> str:
+        return os.path.join(self.tmp, os.path.basename(str(path).rstrip("/\\")) or "out")
+
+    def __enter__(self):
+        self.saved = {a: getattr(self.callback, a) for a in self.attributes}
+        for a, path in self.saved.items():
+            setattr(self.callback, a, self.redirect(path))
+        return self
+
+    def __exit__(self, *exc):
+        for a, path in self.saved.items():
+            setattr(self.callback, a, path)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+
+def install() -> None:
+    """Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
+
+    Why: Keras 3's callbacks (3.15) know nothing of workers, so every worker
+    would write the same files concurrently. On a non-chief worker of our
+    multi-worker strategies the output paths point into a temporary directory
+    that is removed after each save, the backup is not deleted at the end of
+    training (the chief does that), and after ``BackupAndRestore`` restored,
+    the workers check that they all resume from the same epoch (the backup must
+    be on storage every worker reads).
+    """
+    mc = model_checkpoint.ModelCheckpoint
+    if getattr(mc._save_model, "_keras_replicator_patch", False):
+        return
+    original_mc_save = mc._save_model
+
+    def mc_save_model(self, epoch, batch, logs):
+        strategy = _callback_strategy(self)
+        if strategy is None or strategy.is_chief:
+            return original_mc_save(self, epoch, batch, logs)
+        redirect = _PathsRedirected(self, (), strategy)
+        original_get = self._get_file_path
+        self._get_file_path = lambda *a: redirect.redirect(original_get(*a))
+        try:
+            with redirect:
+                return original_mc_save(self, epoch, batch, logs)
+        finally:
+            del self._get_file_path
+
+    br = backup_and_restore.BackupAndRestore
+    original_br_save, original_br_end, original_br_begin = br._save_model, br.on_train_end, br.on_train_begin
+    paths = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
+             "_prev_training_metadata_path")
+
+    def br_save_model(self):
+        strategy = _callback_strategy(self)
+        if strategy is None or strategy.is_chief:
+            return original_br_save(self)
+        with _PathsRedirected(self, paths, strategy):
+            return original_br_save(self)
+
+    def br_on_train_end(self, logs=None):
+        strategy = _callback_strategy(self)
+        if strategy is None or strategy.is_chief:
+            return original_br_end(self, logs)
+
+    def br_on_train_begin(self, logs=None):
+        result = original_br_begin(self, logs)
+        strategy = _callback_strategy(self)
+        if strategy is not None:
+            # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact).
+            epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
+            total, squares = (
+                int(v)
+                for v in strategy.reduce("SUM", tf.constant([epoch, epoch * epoch], tf.int64), axis=None)
+            )
+            if strategy.num_workers * squares != total * total:
+                raise RuntimeError(
+                    f"BackupAndRestore: the workers restored different epochs; worker "
+                    f"{strategy.worker_index} restored epoch {epoch} from {self.backup_dir!r}. The "
+                    "chief writes the backup; backup_dir must be on storage that every worker reads "
+                    "(a shared file system or bucket)."
+                )
+        return result
+
+    for cls, name, fn in (
+        (mc, "_save_model", mc_save_model),
+        (br, "_save_model", br_save_model),
+        (br, "on_train_end", br_on_train_end),
+        (br, "on_train_begin", br_on_train_begin),
+    ):
+        fn._keras_replicator_patch = True
+        setattr(cls, name, fn)

@@ -1,0 +1,76 @@
+"""Keras's optimizers under `CrossReplicaOptimizer`.
+
+* `skip_optimizer_gradient_all_reduce` overrides, on one optimizer instance, the
+  private `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow;
+  checked on Keras 3.15): the wrapped optimizer must not sum gradients a second time.
+* `refuse_outer_loss_scale_optimizer` patches `LossScaleOptimizer.__init__`
+  (permanent, idempotent; it acts only when the optimizer it wraps is given to
+  `is_cross_replica`): a loss scale outside the wrapper is refused when it is
+  made, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import keras
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+
+def _already_reduced(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def skip_optimizer_gradient_all_reduce(optimizer) -> None:
+    """Stops a Keras optimizer (and the ones it wraps) summing gradients across replicas.
+
+    Why (Keras 3.15, TF backend): ``TFOptimizer._backend_update_step`` calls
+    ``self._all_reduce_sum_gradients`` (a replica-context all-reduce) before every
+    update. ``CrossReplicaOptimizer`` reduces the gradients itself (accumulated,
+    compressed, once per update) and hands the result to the wrapped optimizer,
+    which must then not sum them a second time. We override that method on the
+    instance with the identity; the wrapped optimizer belongs to the wrapper from
+    then on. ``LossScaleOptimizer`` has no reduction of its own: we follow
+    ``inner_optimizer`` down to the optimizer that does the update. If a Keras
+    version renames the method, fail loudly rather than reduce twice.
+    """
+    opt = optimizer
+    while opt is not None:
+        if isinstance(opt, TFOptimizer):
+            if not callable(getattr(type(opt), "_all_reduce_sum_gradients", None)):
+                raise RuntimeError(
+                    "This Keras version has no TFOptimizer._all_reduce_sum_gradients; "
+                    "keras_replicator's CrossReplicaOptimizer needs updating for it."
+                )
+            opt._all_reduce_sum_gradients = _already_reduced
+        opt = getattr(opt, "inner_optimizer", None)
+
+
+def refuse_outer_loss_scale_optimizer(is_cross_replica: Callable[[object], bool]) -> None:
+    """Makes `LossScaleOptimizer(opt)` raise when `is_cross_replica(opt)`.
+
+    Why: the loss scale must see the all-reduced gradient, so that every
+    replica makes the same finite/non-finite decision; wrapped the other way
+    round it sees one replica's. Keras itself adds the outer
+    `LossScaleOptimizer` in `compile` under a "mixed_float16" policy.
+    """
+    cls = keras.optimizers.LossScaleOptimizer
+    original = cls.__init__
+    if getattr(original, "_keras_replicator_patch", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, inner_optimizer, *args, **kwargs):
+        if is_cross_replica(inner_optimizer):
+            raise ValueError(
+                "A LossScaleOptimizer cannot wrap a CrossReplicaOptimizer: the order must be the "
+                "other way round, so that the loss scale sees the all-reduced gradient: "
+                "CrossReplicaOptimizer(keras.optimizers.LossScaleOptimizer(opt)). With a "
+                "'mixed_float16' policy, also pass model.compile(..., auto_scale_loss=False), "
+                "or Keras adds the outer LossScaleOptimizer itself."
+            )
+        original(self, inner_optimizer, *args, **kwargs)
+
+    __init__._keras_replicator_patch = True
+    cls.__init__ = __init__

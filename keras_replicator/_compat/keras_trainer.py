@@ -1,0 +1,308 @@
+"""Keras 3's TensorFlow trainer under keras_replicator's strategies.
+
+Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
+
+* `TensorFlowTrainer._maybe_symbolic_build`: builds from replica 0's slice
+  (not an element-wise mean of the slices), and not at all for a model without
+  `call()` (keras-io's GAN style), as Keras does without a strategy;
+* `reduce_per_replica`: metrics and `predict` rows across every worker;
+* `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
+* `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
+  hands a model built under `AsyncReplicatorStrategy` to `parameter_server`, and else,
+  before any work, catches a model built outside the strategy's scope (an
+  error when its data was distributed by one of our strategies, a warning when
+  such a strategy exists), refuses infinite `validation_data` without
+  `validation_steps`, re-raises a step's error caused by a lost worker as
+  `WorkerLostError`, and TensorFlow's oneDNN failure on an empty batch (a
+  dataset with fewer examples than replicas leaves a replica empty) as a
+  `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
+  datasets (TF 2.16-2.21: `input_lib`).
+
+Every patch acts only for strategies marked `_keras_replicator` (the
+multi-worker ones only with more than one worker); other strategies keep
+Keras's behaviour. These patches are permanent (installed once, idempotent):
+`fit` is called outside any strategy scope, so they cannot be scoped.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+import weakref
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as tf_trainer
+
+_MARK = "_keras_replicator_patch"
+
+
+def ours(strategy) -> bool:
+    """Whether `strategy` is one of keras_replicator's."""
+    return bool(getattr(strategy, "_keras_replicator", False))
+
+
+def multi_worker(strategy) -> bool:
+    """Whether `strategy` is one of keras_replicator's with more than one worker."""
+    return ours(strategy) and getattr(strategy, "num_workers", 1) > 1
+
+
+def _patched(fn):
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def _is_patched(fn) -> bool:
+    return getattr(fn, _MARK, False)
+
+
+def _first_replica(strategy, value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _has_call(model) -> bool:
+    return type(model).call is not keras.Model.call
+
+
+def _patch_symbolic_build() -> None:
+    """Why: `_maybe_symbolic_build` builds the model from one distributed batch by
+    `strategy.reduce("MEAN", batch, axis=None)`: an element-wise mean of every
+    replica's slice. That fails when the slices differ in size (a short last
+    batch: "Inputs to operation AddN must have the same size and shape") and,
+    across workers, on structures of PerReplica values
+    (tensorflow/tensorflow#72388). The build only needs the shapes and dtypes of
+    one example batch, so we take replica 0's slice. A model without `call()`
+    (a GAN written as keras-io's guides do: only `train_step`) cannot be built
+    symbolically at all; without a strategy Keras skips this build and the
+    model builds when the step is traced: we do the same.
+    """
+    cls = tf_trainer.TensorFlowTrainer
+    original = cls._maybe_symbolic_build
+    if _is_patched(original):
+        return
+
+    @_patched
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if not ours(strategy):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        if not _has_call(self):
+            return None
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch)
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    cls._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def _patch_reduce_per_replica() -> None:
+    """Global metrics and all of predict's rows across workers.
+
+    Why: Keras 3's `reduce_per_replica` reduces across workers only for
+    `isinstance(strategy, MultiWorkerMirroredStrategy)`, and there with
+    `strategy.reduce(..., axis=0)`, which fails on the scalar metrics
+    ("Invalid reduction dimension 0", tensorflow/tensorflow#72388). For other
+    strategies it reduces the local replicas only: each worker's `predict`
+    would return its own rows and step outputs would be per-worker means. For
+    our multi-worker strategies: "concat" gathers every replica's rows with
+    Keras's own `_multi_worker_concat` (which undoes the order in which
+    tf.data's data-sharding hands rows to replicas), and "mean"/"sum" reduce
+    over every replica of every worker, element-wise as Keras does on one worker.
+    """
+    original = tf_trainer.reduce_per_replica
+    if _is_patched(original):
+        return
+
+    @_patched
+    def reduce_per_replica(values, strategy, reduction):
+        if not multi_worker(strategy) or reduction == "first":
+            return original(values, strategy, reduction)
+        if reduction == "auto":
+            reduction = "mean"
+        if reduction not in ("mean", "sum", "concat"):
+            return original(values, strategy, reduction)
+
+        def _reduce(v):
+            if not isinstance(v, (tf.Tensor, tf.distribute.DistributedValues)):
+                return v
+            if reduction == "concat":
+                return tf_trainer._multi_worker_concat(v, strategy)
+            if not isinstance(v, tf.distribute.DistributedValues):
+                # One local replica: strategy.run returned this worker's plain value.
+                v = strategy.experimental_distribute_values_from_function(lambda _: v)
+            return strategy.reduce(reduction.upper(), v, axis=None)
+
+        return tf.nest.map_structure(_reduce, values)
+
+    tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+def _infinite_without_steps(data, steps) -> bool:
+    if steps is not None:
+        return False
+    if isinstance(data, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        cardinality = data.cardinality
+        cardinality = int(cardinality() if callable(cardinality) else cardinality)
+        return cardinality == tf.data.INFINITE_CARDINALITY
+    return False
+
+
+def _patch_epoch_iterator() -> None:
+    """Why: Keras 3.15's `EpochIterator` runs an epoch of an infinite `tf.data`
+    dataset forever when `steps_per_epoch` (`steps`) is not given. We raise
+    instead, in `TFEpochIterator.__init__` (fit, evaluate, predict), before any step.
+    """
+    cls = tf_trainer.TFEpochIterator
+    original = cls.__init__
+    if _is_patched(original):
+        return
+
+    @_patched
+    @functools.wraps(original)
+    def __init__(self, distribute_strategy=None, *args, **kwargs):
+        if ours(distribute_strategy) and _infinite_without_steps(
+            kwargs.get("x"), kwargs.get("steps_per_epoch")
+        ):
+            raise ValueError(
+                "The dataset is infinite (it repeats forever), so an epoch would never end. "
+                "Give the number of steps: model.fit(..., steps_per_epoch=N), "
+                "model.evaluate(..., steps=N) or model.predict(..., steps=N); "
+                "or make the dataset finite (remove .repeat())."
+            )
+        original(self, distribute_strategy, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+# Every keras_replicator strategy created in this process (for the scope checks).
+_strategies: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_strategy(strategy) -> None:
+    """Remembers `strategy`, so that `fit` can tell a model built outside its scope."""
+    _strategies.add(strategy)
+
+
+def _distributed_by(data):
+    """The strategy that distributed `data`, if it is a distributed dataset."""
+    if isinstance(data, tf.distribute.DistributedDataset):
+        return getattr(data, "_strategy", None)
+    return None
+
+
+def _check_scope(model, name: str, args, kwargs) -> None:
+    """Catches a model built (or loaded) outside the strategy's scope, before any work."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    data = args[0] if args else kwargs.get("x")
+    dataset_strategy = _distributed_by(data)
+    if ours(dataset_strategy) and dataset_strategy is not strategy:
+        where = "outside any strategy's scope" if strategy is None else f"under another strategy ({strategy!r})"
+        raise ValueError(
+            f"model.{name}() got a dataset distributed by {dataset_strategy!r}, but the model was "
+            f"built {where}, so its variables are not that strategy's. Build (or "
+            "keras.saving.load_model) and compile the model under `with strategy.scope():`, "
+            "the same strategy that distributes the data."
+        )
+    if strategy is None and len(_strategies) and name in ("fit", "evaluate", "predict"):
+        warnings.warn(
+            f"model.{name}() runs on one device: the model was built (or loaded) outside "
+            f"the scope of {next(iter(_strategies))!r}. To replicate it, build or "
+            "keras.saving.load_model it, and compile it, under `with strategy.scope():`.",
+            stacklevel=3,
+        )
+
+
+def _check_validation_data(kwargs) -> None:
+    validation_data = kwargs.get("validation_data")
+    if isinstance(validation_data, (tuple, list)) and validation_data:
+        validation_data = validation_data[0]
+    if _infinite_without_steps(validation_data, kwargs.get("validation_steps")):
+        # Keras builds the validation iterator only after the first epoch.
+        raise ValueError(
+            "validation_data is an infinite dataset (it repeats forever), so validation "
+            "would never end. Pass validation_steps=N to fit, or make it finite."
+        )
+
+
+# TensorFlow 2.21's oneDNN kernels on CPU fail on an empty batch with these (a
+# convolution's output then has the wrong shape for what follows it).
+_EMPTY_BATCH_FAILURE = re.compile(
+    r"Matrix size-incompatible: In\[0\]: \[0,|input depth must be evenly divisible by filter depth"
+)
+
+
+def _empty_replica_error(strategy, error: Exception) -> ValueError | None:
+    if not isinstance(error, tf.errors.InvalidArgumentError) or not _EMPTY_BATCH_FAILURE.search(
+        str(error)
+    ):
+        return None
+    n = strategy.num_replicas_in_sync
+    return ValueError(
+        f"A replica got an empty batch: the data has fewer examples than the {n} replicas (or a "
+        f"last batch that small), and TensorFlow's oneDNN kernels on CPU fail on empty batches "
+        f"(a convolution returns a wrongly shaped result). Use at least {n} examples, a strategy "
+        "over fewer devices, or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow starts. "
+        f"TensorFlow said: {str(error).strip().splitlines()[0][:300]}"
+    )
+
+
+_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+# Keras's own entry points, as they were before the wrapper (parameter_server runs them
+# on the chief for evaluate and predict).
+ORIGINALS: dict = {}
+
+
+def _patch_entry_points() -> None:
+    """One wrapper around each of the trainer's entry points (see the module docstring)."""
+    cls = tf_trainer.TensorFlowTrainer
+    if _is_patched(cls.fit):
+        return
+
+    def wrap(name, method):
+        ORIGINALS[name] = method
+
+        @_patched
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            strategy = getattr(self, "_distribute_strategy", None)
+            if getattr(strategy, "_keras_replicator_async", False):
+                from keras_replicator._compat import parameter_server
+
+                return parameter_server.ENTRY_POINTS[name](self, *args, **kwargs)
+            _check_scope(self, name, args, kwargs)
+            if not ours(strategy):
+                return method(self, *args, **kwargs)
+            if name == "fit":
+                _check_validation_data(kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except tf.errors.OpError as e:
+                lost = strategy.extended.lost_worker_error(e) if multi_worker(strategy) else None
+                if lost is not None:
+                    raise lost from e
+                empty = _empty_replica_error(strategy, e)
+                if empty is not None:
+                    raise empty from e
+                raise
+
+        return wrapper
+
+    for name in _ENTRY_POINTS:
+        setattr(cls, name, wrap(name, getattr(cls, name)))
+
+
+def install() -> None:
+    """Installs every patch of this module (idempotent)."""
+    _patch_symbolic_build()
+    _patch_reduce_per_replica()
+    _patch_epoch_iterator()
+    _patch_entry_points()

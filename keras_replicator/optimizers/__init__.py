@@ -1,0 +1,40 @@
+"""The optimizer wrapper of TF-Replicator and Horovod, and the pieces it is made of.
+
+* `CrossReplicaOptimizer` (alias `wrap_optimizer`): wraps a Keras optimizer
+  and all-reduces gradients once per update, with accumulation, compression,
+  clipping and skipping of non-finite steps.
+* `gradient_transforms`: those pieces on their own (`GradientAccumulator`,
+  `clip_by_global_norm`, `NonFiniteSkip`, `compress`), for custom steps.
+
+Example:
+    ```python
+    import keras
+    import keras_replicator as kr
+
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():
+        optimizer = kr.optimizers.CrossReplicaOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), accumulation_steps=2)
+    ```
+"""
+
+from keras_replicator.optimizers.cross_replica import CrossReplicaOptimizer, wrap_optimizer
+from keras_replicator.optimizers.gradient_transforms import (
+    GradientAccumulator,
+    NonFiniteSkip,
+    all_finite,
+    clip_by_global_norm,
+    compress,
+    decompress,
+)
+
+__all__ = [
+    "CrossReplicaOptimizer",
+    "GradientAccumulator",
+    "NonFiniteSkip",
+    "all_finite",
+    "clip_by_global_norm",
+    "compress",
+    "decompress",
+    "wrap_optimizer",
+]

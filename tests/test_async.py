@@ -1,0 +1,327 @@
+"""The asynchronous regime: AsyncReplicatorStrategy on a chief, workers and parameter servers.
+
+Each test starts real processes (``tests/async_job.py``, every task with its own
+``TF_CONFIG`` on 127.0.0.1 ports) and checks what the chief reports: Keras 3
+fit/evaluate/predict/save through the coordinator, a worker killed and
+restarted mid-epoch, a parameter server killed (a clear error, then a restart
+that resumes from the backup), and the bad inputs. Every process is killed
+(SIGKILL to its process group) when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_replicator as kr
+from keras_replicator import cluster
+from keras_replicator.launch import free_ports
+from tests import async_job as job
+from tests.helpers import ROOT, python_blocks
+
+JOB = os.path.join(ROOT, "tests", "async_job.py")
+
+
+def _env(**extra) -> dict[str, str]:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
+        env.pop(name, None)
+    return dict(env, **extra)
+
+
+def async_tf_config(cluster_spec: dict, task_type: str, index: int) -> str:
+    """What a launcher sets for each task: the whole cluster, and this task's place."""
+    return json.dumps({"cluster": cluster_spec, "task": {"type": task_type, "index": index}})
+
+
+class Job:
+    """A chief, ``workers`` workers and ``ps`` parameter servers of tests/async_job.py."""
+
+    def __init__(self, tmp_path, mode: str, workers: int = 2, ps: int = 2, script: str = JOB, **env):
+        self.out = tmp_path / "out"
+        self.logs = tmp_path / "logs"
+        self.out.mkdir(exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        self.mode, self.script, self.env = mode, script, _env(**env)
+        ports = free_ports(1 + workers + ps)
+        address = [f"127.0.0.1:{p}" for p in ports]
+        self.cluster = {"chief": address[:1], "worker": address[1 : 1 + workers], "ps": address[1 + workers :]}
+        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self.starts = 0
+
+    def start(self, task_type: str, index: int) -> None:
+        self.starts += 1
+        log = open(self.logs / f"{task_type}{index}.{self.starts}.log", "w")
+        env = dict(self.env, TF_CONFIG=async_tf_config(self.cluster, task_type, index))
+        self.processes[(task_type, index)] = subprocess.Popen(
+            [sys.executable, self.script, self.mode, str(self.out)], env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out,
+        )
+        log.close()
+
+    def start_all(self) -> None:
+        for task_type in ("ps", "worker", "chief"):
+            for index in range(len(self.cluster[task_type])):
+                self.start(task_type, index)
+
+    def kill(self, task_type: str, index: int) -> None:
+        p = self.processes[(task_type, index)]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+    def output(self, task_type: str, index: int) -> str:
+        texts = []
+        for path in sorted(self.logs.glob(f"{task_type}{index}.*.log")):
+            texts.append(path.read_text())
+        return "\n".join(texts)
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        """Waits until the chief's output has ``text``; the time it appeared."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output("chief", 0):
+                return time.time()
+            if self.processes[("chief", 0)].poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"The chief did not print {text!r}:\n{self.output('chief', 0)[-5000:]}")
+
+    def wait(self, task_type: str = "chief", index: int = 0, timeout: float = 240) -> int:
+        try:
+            return self.processes[(task_type, index)].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{task_type} {index} did not end:\n{self.output(task_type, index)[-5000:]}") from None
+
+    def report(self) -> dict:
+        with open(self.out / "chief.json") as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        for p in self.processes.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    jobs: list[Job] = []
+
+    def start(mode: str, **kwargs) -> Job:
+        j = Job(tmp_path, mode, **kwargs)
+        jobs.append(j)
+        j.start_all()
+        return j
+
+    yield start
+    for j in jobs:
+        j.stop()
+
+
+# --- bad cluster descriptions: clear errors before any work --------------------------
+
+CHIEF_WORKER_PS = {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221", "127.0.0.1:2222"], "ps": ["127.0.0.1:2223"]}
+
+
+def test_the_async_cluster_is_read_from_tf_config():
+    resolver = cluster.tf_config_cluster(async_tf_config(CHIEF_WORKER_PS, "ps", 0), parameter_servers=True)
+    assert (resolver.task_type, resolver.task_id) == ("ps", 0)
+    assert resolver.cluster_spec().as_dict() == CHIEF_WORKER_PS
+
+
+@pytest.mark.parametrize(
+    "cluster_spec, task, message",
+    [
+        ({**CHIEF_WORKER_PS, "evaluator": ["127.0.0.1:2224"]}, ("chief", 0), "job 'evaluator' is not supported by AsyncReplicatorStrategy"),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "ps"}, ("chief", 0), 'needs at least one "ps" (parameter server'),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "chief"}, ("worker", 0), 'needs one "chief"'),
+        ({k: v for k, v in CHIEF_WORKER_PS.items() if k != "worker"}, ("chief", 0), 'needs at least one "worker"'),
+        (CHIEF_WORKER_PS, ("trainer", 0), "this task's type 'trainer' is not a job of the cluster"),
+        (CHIEF_WORKER_PS, ("ps", 1), "must be an integer in [0, 1) for job 'ps'"),
+    ],
+)
+def test_a_bad_async_cluster_is_named(monkeypatch, cluster_spec, task, message):
+    text = async_tf_config(cluster_spec, *task)
+    with pytest.raises(kr.ClusterConfigError, match=re.escape(message)):
+        cluster.tf_config_cluster(text, parameter_servers=True)
+    monkeypatch.setenv("TF_CONFIG", text)
+    with pytest.raises(kr.ClusterConfigError, match=re.escape(message)):
+        kr.AsyncReplicatorStrategy()
+
+
+def test_async_strategy_without_a_cluster_or_arguments_out_of_range(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(kr.ClusterConfigError, match="needs a cluster of one chief, workers and parameter servers"):
+        kr.AsyncReplicatorStrategy()
+    with pytest.raises(ValueError, match="failure_timeout must be a positive number"):
+        kr.AsyncReplicatorStrategy(failure_timeout=0)
+    with pytest.raises(TypeError, match="variable_partitioner must be"):
+        kr.AsyncReplicatorStrategy(variable_partitioner=3)
+
+
+def test_slurm_tasks_become_chief_ps_and_workers():
+    env = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[1-4]",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_JOB_ID": "7", "KERAS_REPLICATOR_SLURM_NUM_PS": "1"}
+    resolver = cluster.slurm_cluster(env, num_ps=None)
+    assert (resolver.task_type, resolver.task_id) == ("worker", 0)
+    assert resolver.cluster_spec().as_dict() == {
+        "chief": ["n1:12224"], "ps": ["n2:12224"], "worker": ["n3:12224", "n4:12224"]}
+    with pytest.raises(kr.ClusterConfigError, match="cannot hold a chief, 3 parameter server"):
+        cluster.slurm_cluster(env, num_ps=3)
+
+
+def test_the_sync_strategy_points_to_the_async_one_for_ps_tasks():
+    with pytest.raises(kr.ClusterConfigError, match="use kr.AsyncReplicatorStrategy"):
+        cluster.tf_config_cluster(async_tf_config(CHIEF_WORKER_PS, "chief", 0))
+
+
+# --- jobs on local processes ----------------------------------------------------------
+
+
+def test_fit_evaluate_predict_and_save(start_job):
+    j = start_job("fit", workers=2, ps=2)
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # Workers and parameter servers end by themselves, with status 0, once the chief is done.
+    for task in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)):
+        assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]
+        assert "ended the job" in j.output(*task)
+    # Variables on both parameter servers (round-robin).
+    assert {d.split("/device")[0] for d in report["devices"]} == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+    # Every requested step ran, exactly once (15 a epoch, 2 per execution: 7 closures of 2 and 1 of 1).
+    assert report["iterations"] == 3 * 15
+    assert report["batches"] == [1, 3, 5, 7, 9, 11, 13, 14] * 3
+    # The epoch's loss is the aggregate of every worker's steps: its count is every example.
+    state = report["metric_state"]
+    assert state["loss/count"] == 5 * 16 and state["mean_absolute_error/count"] == 5 * 16
+    assert report["more_loss"][0] == pytest.approx(state["loss/total"] / state["loss/count"], rel=1e-5)
+    # It learns: training and validation (on the chief) losses fall.
+    loss, val_loss = report["history"]["loss"], report["history"]["val_loss"]
+    assert loss[-1] < 0.5 * loss[0] and val_loss[-1] < 0.5 * val_loss[0], (loss, val_loss)
+    before_loss, after_loss = report["before"][0], report["evaluation"][0]
+    assert after_loss < 0.1 * before_loss
+    # evaluate and predict on the chief equal Keras on the saved weights, here.
+    with np.load(j.out / "chief.npz") as arrays:
+        predictions = arrays["predictions"]
+        weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
+    model = job.build_model()
+    model.set_weights(weights)
+    model.compile("sgd", "mse", metrics=["mae"])
+    x, y = job.data()
+    np.testing.assert_allclose(predictions, model.predict(x, batch_size=64, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(report["evaluation"], model.evaluate(x, y, batch_size=64, verbose=0), rtol=1e-5)
+    # .keras file: loads outside the cluster and back into the cluster's variables.
+    assert report["restored_matches"] and report["restored_predictions_match"] and report["reloaded_matches"]
+    np.testing.assert_allclose(keras.models.load_model(j.out / "model.keras").predict(x, verbose=0), predictions, atol=1e-5)
+    # BackupAndRestore wrote its backup on the chief.
+    assert any((j.out / "backup").iterdir())
+    # Bad inputs: each a clear error.
+    errors = report["errors"]
+    assert errors["no_steps"].startswith("ValueError: fit needs steps_per_epoch")
+    assert errors["arrays"].startswith("TypeError: With AsyncReplicatorStrategy, fit trains on the workers")
+    assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ValueError")
+    assert "no per_replica_batch_size was given" in errors["unbatched"]
+    assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
+
+
+def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
+    # Worker 1 is killed during epoch 2 and restarted at once; the chief holds after epoch 2
+    # until it serves again, then trains 11 more epochs (at least 22 s: TensorFlow's coordinator
+    # reconnects a lost worker with a backoff of up to 10 s).
+    epochs = 14
+    j = start_job("faults", workers=2, ps=1, KR_TEST_EPOCHS=str(epochs), KR_TEST_HOLD_AT_EPOCH="2",
+                  KR_TEST_SLEEP_PER_BATCH="0.1")
+    j.wait_for("epoch 1 done", timeout=240)
+    j.kill("worker", 1)
+    j.start("worker", 1)  # as Kubernetes (restartPolicy: OnFailure) or the launcher would
+    deadline = time.monotonic() + 120
+    while "is serving" not in j.output("worker", 1).split("ended the job")[-1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (j.out / "release").touch()
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # Every requested step ran; a step cut short by the kill may have run twice (at least once).
+    assert epochs * 40 <= report["iterations"] <= epochs * 40 + 2
+    assert report["epochs_run"] == list(range(epochs))
+    loss = report["history"]["loss"]
+    assert all(b < a for a, b in zip(loss, loss[1:3])) and loss[-1] < 0.3 * loss[0], loss
+    # Both workers ran steps before the kill, and worker 1 again after its restart: it rejoined.
+    counts = np.array(report["steps_by_worker"])
+    assert counts[-1].sum() >= epochs * 40
+    assert counts[1][0] > 0 and counts[1][1] > 0, counts
+    assert counts[-1][1] - counts[2][1] > 0, counts
+    assert j.wait("worker", 1, timeout=60) == 0
+
+
+def test_a_killed_parameter_server_stops_the_job_clearly_and_a_restart_resumes(start_job, tmp_path):
+    j = start_job("faults", workers=1, ps=1, KR_TEST_EPOCHS="4", KR_TEST_FAILURE_TIMEOUT="5")
+    j.wait_for("epoch 1 done", timeout=240)
+    j.kill("ps", 0)
+    killed = time.time()
+    assert j.wait(timeout=120) == 3, j.output("chief", 0)[-5000:]
+    report = j.report()
+    assert report["lost"] == [f"ps 0 (/job:ps/task:0 at {j.cluster['ps'][0]})"]
+    assert "Lost ps 0" in report["error"] and "BackupAndRestore" in report["error"]
+    print(f"ParameterServerLostError {report['failed_at'] - killed:.1f} s after the kill")
+    assert report["failed_at"] - killed < 60
+    j.stop()
+    # The whole job restarts (same cluster, same backup directory) and resumes after epoch 1.
+    (j.out / "chief.json").unlink()
+    j.start_all()
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    resumed = j.report()
+    assert resumed["epochs_run"][0] >= 2 and resumed["epochs_run"][-1] == 3
+    assert resumed["history"]["loss"][-1] < 0.1
+
+
+def test_a_partitioned_embedding_is_saved_and_loaded_whole(start_job):
+    j = start_job("partition", workers=1, ps=2)
+    assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
+    report = j.report()
+    # MinSizePartitioner split the 50 x 16 embedding in two, one shard on each parameter server.
+    assert report["shards"] == [
+        ["/job:ps/replica:0/task:0/device:CPU:0", [25, 16]],
+        ["/job:ps/replica:0/task:1/device:CPU:0", [25, 16]],
+    ]
+    # Training a partitioned variable is refused before any step, saying what to do.
+    assert "partitioned over several parameter servers" in report["trainable_fit"]
+    assert "['counting_model/embedding/embeddings']" in report["trainable_fit"]
+    # Frozen, it serves the rest of the model; .keras holds the whole tensor, which loads
+    # outside the cluster and back into two shards.
+    assert len(report["history"]["loss"]) == 2
+    assert report["restored_embedding_shape"] == [job.VOCAB, job.EMBED]
+    assert report["restored_matches"] and report["restored_predictions_match"]
+    assert report["reloaded_sharded"] == 2 and report["reloaded_matches"]
+
+
+def test_the_guide_script_runs_as_written_through_the_launcher(tmp_path):
+    """`keras-replicator launch --workers 2 --ps 1 train.py`: the guide's script, unchanged."""
+    (tmp_path / "train.py").write_text(
+        python_blocks("docs/async.md")[0] + "\nprint('history', model.history.history)\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--ps", "1",
+               "--timeout", "420", "train.py"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    loss, mae = (float(v) for v in re.findall(r"^\[chief 0\] \[([0-9.e-]+), ([0-9.e-]+)\]$", output, flags=re.M)[-1])
+    assert mae < 0.5, output[-3000:]  # y = sum of 8 unit normals: std 2.8
+    for task in ("worker 0", "worker 1", "ps 0"):
+        assert f"[{task}] keras_replicator:" in output, output[-3000:]  # each task served
+    # The chief saved the model; BackupAndRestore removed its backup when training ended.
+    assert (tmp_path / "model.keras").exists() and not (tmp_path / "backup").exists()

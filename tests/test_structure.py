@@ -1,0 +1,126 @@
+"""The codebase's structure rules, checked: private APIs in `_compat`, versions in range."""
+
+import ast
+import os
+import re
+
+import pytest
+
+from keras_replicator import _compat
+from tests import conftest, run_suite
+
+pytestmark = pytest.mark.devices(1)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "keras_replicator")
+COMPAT = os.path.join(PACKAGE, "_compat")
+# Private TensorFlow/Keras modules, and private attributes of TensorFlow/Keras objects.
+PRIVATE_IMPORT = re.compile(r"\b(tensorflow\.python|keras\.src|tensorflow\.compiler|tensorflow\.tsl)\b")
+# Names a keras_replicator subclass of a Keras/TensorFlow class may use: the
+# subclassing API Keras's own wrappers (LossScaleOptimizer) and layers use.
+SUBCLASS_API = {
+    "_track_variable", "_iterations", "_variables", "_trainable_variables",
+    "_get_variable_index", "_check_variables_are_known",
+    # collections.namedtuple's public API
+    "_fields", "_asdict", "_replace", "_make",
+}
+# Private names read by string, allowed: our own strategies' marker.
+GETATTR_PRIVATE = re.compile(r"""getattr\([^,]+,\s*["'](_(?!keras_replicator\b)\w+)""")
+
+
+def _package_files():
+    for folder, _, files in os.walk(PACKAGE):
+        if folder.startswith(COMPAT):
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(folder, name)
+
+
+def test_installed_versions_are_within_the_checked_ranges():
+    problems = _compat.unchecked_versions()
+    assert not problems, "\n".join(problems)
+
+
+def test_every_compat_module_has_a_checked_range():
+    modules = {
+        name[:-3] for name in os.listdir(COMPAT)
+        if name.endswith(".py") and name not in ("__init__.py", "patching.py")
+    }
+    assert modules == set(_compat.CHECKED), "keep _compat.CHECKED and its table in step with the modules"
+    for module in modules:
+        assert f"`{module}`" in _compat.__doc__, f"{module} is missing from the table in _compat/__init__.py"
+
+
+def test_no_private_tensorflow_or_keras_imports_outside_compat():
+    offenders = []
+    for path in _package_files():
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                code = line.split("#")[0]
+                if PRIVATE_IMPORT.search(code) and ("import" in code):
+                    offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "private TensorFlow/Keras modules belong in keras_replicator/_compat:\n" + "\n".join(offenders)
+
+
+def test_no_private_attributes_of_tensorflow_or_keras_objects_outside_compat():
+    """`x._name` where `x` is not `self`/`cls` (our own objects) is a private read."""
+    offenders = []
+    for path in _package_files():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__") or node.attr in SUBCLASS_API:
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue  # our own object's attributes (a subclass's own state)
+            if isinstance(base, ast.Name) and base.id in _OWN_MODULES:
+                continue  # our own modules' private helpers
+            offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: .{node.attr}")
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                for name in GETATTR_PRIVATE.findall(line):
+                    offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: getattr(..., {name!r})")
+    assert not offenders, "private attributes of TensorFlow/Keras objects belong in _compat:\n" + "\n".join(offenders)
+
+
+# Our own modules (their private helpers), and the standard library's `os._exit`.
+_OWN_MODULES = {"cluster", "data", "collectives", "strategy", "layers", "optimizers", "callbacks", "os"}
+
+
+def test_the_suite_runner_reads_device_counts_from_the_marks():
+    assert run_suite.DEFAULT_DEVICES == conftest.DEFAULT_DEVICES
+    counts = run_suite.device_counts([])
+    assert conftest.DEFAULT_DEVICES in counts and 1 in counts
+    assert run_suite.device_counts([os.path.join(ROOT, "tests", "test_structure.py")]) == [1]
+
+
+def test_docstrings_use_markdown_not_sphinx_roles():
+    """mkdocstrings renders Markdown; `:class:`x`` would show up raw in the API reference."""
+    role = re.compile(r":(class|func|meth|mod|attr|exc|obj):`")
+    offenders = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if role.search(line):
+                            offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "write `name` instead of Sphinx roles:\n" + "\n".join(offenders)
+
+
+def test_info_reports_versions_patch_ranges_and_devices():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    result = subprocess.run([sys.executable, "-m", "keras_replicator", "info", "--simulate", "2"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "private-API patches: checked on these versions" in result.stdout
+    assert "devices: /device:CPU:0, /device:CPU:1" in result.stdout
