@@ -6,8 +6,13 @@ Example:
     ```
 
 Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (FID
-and Inception Score at every evaluation) and `OUT/samples.png` (one row per class);
-`OUT/backup/` holds the state that a rerun of the same command resumes from.
+and Inception Score at every evaluation) and `OUT/samples.png` (one row per class).
+
+`OUT/checkpoint/` holds the run's own state, written atomically after every
+evaluation interval: `gan-STEP.weights.h5` (both networks, the EMA weights, the
+spectral-norm vectors and both optimizers' state, which includes the step) and
+`state.json` naming it. A rerun of the command resumes from it, after an
+interruption or with a larger `--steps`; the checkpoint stays after the run ends.
 """
 
 from __future__ import annotations
@@ -87,6 +92,29 @@ def _samples_png(path: str, images, rows: int, cols: int) -> None:
     Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
 
 
+def _read_state(folder: str) -> dict | None:
+    path = os.path.join(folder, "state.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_state(folder: str, gan, step: int) -> None:
+    """Weights first, then `state.json` naming them (each replaced atomically), then old files."""
+    os.makedirs(folder, exist_ok=True)
+    name = f"gan-{step}.weights.h5"
+    tmp = os.path.join(folder, f".tmp-{name}")
+    gan.save_weights(tmp)
+    os.replace(tmp, os.path.join(folder, name))
+    with open(os.path.join(folder, ".tmp-state.json"), "w") as f:
+        json.dump({"step": step, "weights": name}, f)
+    os.replace(os.path.join(folder, ".tmp-state.json"), os.path.join(folder, "state.json"))
+    for old in os.listdir(folder):
+        if old.startswith("gan-") and old != name:
+            os.remove(os.path.join(folder, old))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -145,13 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         gan.compile(d_optimizer=sngan.default_optimizer(args.learning_rate),
                     g_optimizer=sngan.default_optimizer(args.learning_rate))
 
+    checkpoint = os.path.join(args.out, "checkpoint")
+    state = _read_state(checkpoint)
+    done = 0
+    if state is not None:
+        with strategy.scope():
+            gan.load_weights(os.path.join(checkpoint, state["weights"]))
+        done = int(gan.g_optimizer.iterations.numpy())
+        if done != state["step"]:
+            raise SystemExit(f"{checkpoint}: state.json says step {state['step']} but the "
+                             f"weights hold {done} generator updates")
+        print(f"resuming from step {done} ({checkpoint})", flush=True)
+
     metrics_path = os.path.join(args.out, "metrics.json")
     history = json.load(open(metrics_path)) if os.path.exists(metrics_path) else []
     start = time.time()
 
-    class Evaluate(keras.callbacks.Callback):
+    class Interval(keras.callbacks.Callback):
+        """Evaluates, writes metrics.json and the checkpoint; stops at exactly --steps."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if int(gan.g_optimizer.iterations.numpy()) >= args.steps:
+                self.model.stop_training = True
+
         def on_epoch_end(self, epoch, logs=None):
-            step = (epoch + 1) * args.eval_every
+            step = int(gan.g_optimizer.iterations.numpy())
             record = {"step": step, "d_loss": float(logs["d_loss"]),
                       "g_loss": float(logs["g_loss"]),
                       "seconds": time.time() - start}
@@ -165,15 +211,24 @@ def main(argv: list[str] | None = None) -> int:
                     *metrics.gaussian_statistics(real_feats), *metrics.gaussian_statistics(feats))
                 record["inception_score"] = metrics.inception_score(probs)[0]
             history[:] = [h for h in history if h["step"] < step] + [record]
-            with open(metrics_path, "w") as f:
+            with open(metrics_path + ".tmp", "w") as f:
                 json.dump(history, f, indent=1)
+            os.replace(metrics_path + ".tmp", metrics_path)
+            _write_state(checkpoint, gan, step)
             print("step {step}: ".format(**record) + ", ".join(
                 f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
 
-    epochs = -(-args.steps // args.eval_every)
-    gan.fit(train, epochs=epochs, steps_per_epoch=args.eval_every, verbose=args.verbose,
-            callbacks=[keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
-                       Evaluate()])
+    if done < args.steps:
+        # Intervals end at multiples of --eval-every (and at --steps): a resumed run
+        # first completes the interval it was in.
+        first = args.eval_every - done % args.eval_every
+        if first < args.eval_every:
+            gan.fit(train, epochs=1, steps_per_epoch=min(first, args.steps - done),
+                    verbose=args.verbose, callbacks=[Interval()])
+            done = int(gan.g_optimizer.iterations.numpy())
+        if done < args.steps:
+            gan.fit(train, epochs=-(-(args.steps - done) // args.eval_every),
+                    steps_per_epoch=args.eval_every, verbose=args.verbose, callbacks=[Interval()])
 
     with strategy.scope():
         sampler = gan.sampler()
