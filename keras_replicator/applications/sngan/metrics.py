@@ -99,7 +99,16 @@ def inception_score(probabilities: np.ndarray, splits: int = 1) -> tuple[float, 
 
 
 def _two_outputs(model: keras.Model, features: keras.layers.Layer, name: str) -> keras.Model:
-    return keras.Model(model.inputs, [features.output, model.outputs[0]], name=name)
+    """`model`'s input to `[features, outputs]`, always in inference mode.
+
+    The extractor is a fixed measuring instrument: its graph calls the network
+    with `training=False`, so no call (not even one outside `predict`, without a
+    `training` argument) runs batch norm on batch statistics or updates its moving
+    statistics, or applies dropout.
+    """
+    inner = keras.Model(model.inputs, [features.output, model.outputs[0]])
+    inputs = keras.Input(model.inputs[0].shape[1:], name="images")
+    return keras.Model(inputs, inner(inputs, training=False), name=name)
 
 
 def inception_extractor(weights: str | None, input_size: int = 299) -> keras.Model:
@@ -123,8 +132,11 @@ def inception_extractor(weights: str | None, input_size: int = 299) -> keras.Mod
     resized = keras.layers.Resizing(input_size, input_size, name="resize")(images)
     net = keras.applications.InceptionV3(
         include_top=True, weights=weights, input_shape=(input_size, input_size, 3))
+    net.trainable = False  # frozen batch norm runs on its moving statistics, whatever `training`
     pool = keras.Model(net.inputs, [net.get_layer("avg_pool").output, net.outputs[0]])
-    features, probs = pool(resized)  # InceptionV3 expects [-1, 1]: our range
+    # InceptionV3 expects [-1, 1]: our range. Inference mode always (see `_two_outputs`):
+    # a call without `training` must not normalize by the batch and move the statistics.
+    features, probs = pool(resized, training=False)
     return keras.Model(images, [features, probs], name="inception_extractor")
 
 
