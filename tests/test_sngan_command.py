@@ -45,6 +45,7 @@ def test_trains_writes_outputs_and_resumes(tmp_path):
     state = json.load(open(os.path.join(out, "checkpoint", "state.json")))
     assert state == {"step": 2, "weights": "gan-2.weights.h5"}
     assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == ["gan-2.weights.h5", "state.json"]
+    judge = os.stat(os.path.join(out, "classifier.keras")).st_mtime_ns
 
     # A finished run continues with a larger --steps: from step 2, two more updates.
     second = _command(*common, "--steps", "4")
@@ -55,6 +56,7 @@ def test_trains_writes_outputs_and_resumes(tmp_path):
     history = json.load(open(os.path.join(out, "metrics.json")))
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     assert json.load(open(os.path.join(out, "checkpoint", "state.json")))["step"] == 4
+    assert os.stat(os.path.join(out, "classifier.keras")).st_mtime_ns == judge  # the same judge
 
     check = run_python(f"""
         import keras, numpy as np

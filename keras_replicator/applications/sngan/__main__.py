@@ -11,7 +11,8 @@ and Inception Score at every evaluation) and `OUT/samples.png` (one row per clas
 `OUT/checkpoint/` holds the run's own state, written atomically after every
 evaluation interval: `gan-STEP.weights.h5` (both networks, the EMA weights, the
 spectral-norm vectors and both optimizers' state, which includes the step) and
-`state.json` naming it. A rerun of the command resumes from it, after an
+`state.json` naming it; on digits, `OUT/classifier.keras` is the classifier whose
+features FID uses, trained once per run directory. A rerun of the command resumes from it, after an
 interruption or with a larger `--steps`; the checkpoint stays after the run ends.
 """
 
@@ -149,7 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         num_classes = sngan.DIGITS_CLASSES
         train = sngan.digits_dataset(args.global_batch_size, args.n_dis, image_size=cfg.image_size,
                                      num_replicas=args.replicas, seed=args.seed, data=(x, y))
-        extractor = metrics.classifier_extractor(metrics.train_digits_classifier(x, y))
+        # The judge of FID and accuracy is kept with the run: a resumed run measures with the
+        # same features (and does not train it again).
+        classifier_path = os.path.join(args.out, "classifier.keras")
+        if os.path.exists(classifier_path):
+            classifier = keras.saving.load_model(classifier_path)
+        else:
+            classifier = metrics.train_digits_classifier(x, y)
+            classifier.save(classifier_path + ".tmp.keras")
+            os.replace(classifier_path + ".tmp.keras", classifier_path)
+        extractor = metrics.classifier_extractor(classifier)
         real_feats, _ = metrics.real_features(extractor, x)
     else:
         num_classes = 1000
