@@ -65,8 +65,14 @@ RUN_ELSEWHERE = {
 RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),
     ("docs/contributing.md", 0), ("docs/optimizers.md", 2), ("docs/multi_worker.md", 1),
-    ("docs/multi_worker.md", 2),
+    ("docs/multi_worker.md", 2), ("docs/sngan.md", 0),
 }
+
+
+def test_sngan_guide_example():
+    blocks = python_blocks("docs/sngan.md")
+    assert "sngan.SNGAN(" in blocks[0] and "gan.compile(" in blocks[0]
+    run_markdown_example("docs/sngan.md", 0)
 
 
 def test_every_snippet_in_the_readme_and_the_guides_is_run_by_a_test():

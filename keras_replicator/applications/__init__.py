@@ -12,6 +12,8 @@
   shards, one share per input pipeline, with per-example seeds.
 * `keras_replicator.applications.d4pg`: D4PG (tutorial 3), Ray actors feeding a replicated
   learner; its environments and actors need the `rl` extra.
+* `keras_replicator.applications.sngan`: the class-conditional SN-GAN of tutorial 2
+  (models, the two-optimizer `SNGAN` step, digits/ImageNet data, FID and IS).
 
 Example:
     ```python
@@ -23,7 +25,7 @@ Example:
     ```
 """
 
-from keras_replicator.applications import d4pg, imagenet, tfds_input
+from keras_replicator.applications import d4pg, imagenet, sngan, tfds_input
 from keras_replicator.applications.resnet import (
     RESNET50_BLOCKS,
     apply_weight_decay,
@@ -38,5 +40,6 @@ __all__ = [
     "imagenet",
     "resnet",
     "resnet50",
+    "sngan",
     "tfds_input",
 ]

@@ -2,6 +2,8 @@
 
 * `batch_normalization`: `GlobalBatchNormalization`,
   `ConditionalGlobalBatchNormalization` and `convert_to_global_batch_norm`.
+* `spectral_normalization`: `SpectralNormalization` (power-iteration state
+  identical on every replica) and `spectral_norm_sigma`.
 
 Example:
     ```python
@@ -23,9 +25,15 @@ from keras_replicator.layers.batch_normalization import (
     GlobalBatchNormalization,
     convert_to_global_batch_norm,
 )
+from keras_replicator.layers.spectral_normalization import (
+    SpectralNormalization,
+    spectral_norm_sigma,
+)
 
 __all__ = [
     "ConditionalGlobalBatchNormalization",
     "GlobalBatchNormalization",
+    "SpectralNormalization",
     "convert_to_global_batch_norm",
+    "spectral_norm_sigma",
 ]
