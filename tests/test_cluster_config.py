@@ -94,11 +94,11 @@ def test_single_task_cluster_is_one_machine(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"communication": "tcp"}, ValueError, "communication must be one of ['auto', 'nccl', 'ring'], got 'tcp'"),
+        ({"communication": "tcp"}, ValueError, "communication must be one of 'auto', 'nccl', 'ring'; got 'tcp'"),
         ({"communication": None}, ValueError, "communication must be one of"),
-        ({"failure_timeout": 0}, ValueError, "failure_timeout must be a positive number of seconds, got 0"),
+        ({"failure_timeout": 0}, ValueError, "failure_timeout must be a positive number, got 0"),
         ({"failure_timeout": float("inf")}, ValueError, "failure_timeout must be a positive number"),
-        ({"startup_timeout": -1}, ValueError, "startup_timeout must be a positive number of seconds, got -1"),
+        ({"startup_timeout": -1}, ValueError, "startup_timeout must be a positive number, got -1"),
         ({"startup_timeout": True}, ValueError, "startup_timeout must be a positive number"),
         ({"cluster_resolver": "127.0.0.1:2222"}, TypeError, "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver"),
     ],

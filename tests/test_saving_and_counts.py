@@ -25,7 +25,7 @@ def test_num_replicas_answers_the_strategy_count_in_its_scope():
         assert [int(c) for c in counts] == [NUM_DEVICES] * NUM_DEVICES
         # Outside a replica function, broadcast/all_reduce act as on one replica (as before).
         assert float(kr.broadcast(tf.constant(3.0), source_replica=0)) == 3.0
-        with pytest.raises(ValueError, match=re.escape("source_replica must be an integer in [0, 1)")):
+        with pytest.raises(ValueError, match=re.escape("source_replica must be an integer in [0, 0], got 1")):
             kr.broadcast(tf.constant(3.0), source_replica=1)
     assert kr.num_replicas() == 1
 
