@@ -203,9 +203,9 @@ def test_convert_errors():
         ({"epsilon": 0.0}, ValueError, "epsilon must be a positive number"),
         ({"center": 1}, TypeError, "center must be True or False"),
         ({"scale": None}, TypeError, "scale must be True or False"),
-        ({"group_size": 0}, ValueError, "group_size must be >= 1, got 0"),
-        ({"group_size": 2.0}, TypeError, "group_size must be an integer"),
-        ({"group_size": True}, TypeError, "group_size must be an integer"),
+        ({"group_size": 0}, ValueError, "group_size must be a positive integer, got 0"),
+        ({"group_size": 2.0}, TypeError, "group_size must be a positive integer, got 2.0"),
+        ({"group_size": True}, TypeError, "group_size must be a positive integer, got True"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):
@@ -217,8 +217,9 @@ def test_bad_arguments(kwargs, error, message):
 
 @pytest.mark.parametrize(
     "num_classes, error, message",
-    [(0, ValueError, "num_classes must be >= 1, got 0"), (2.5, TypeError, "num_classes must be an integer"),
-     (None, TypeError, "num_classes must be an integer")],
+    [(0, ValueError, "num_classes must be a positive integer, got 0"),
+     (2.5, TypeError, "num_classes must be a positive integer, got 2.5"),
+     (None, TypeError, "num_classes must be a positive integer, got None")],
 )
 def test_bad_num_classes(num_classes, error, message):
     with pytest.raises(error, match=message):
