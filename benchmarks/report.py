@@ -17,7 +17,11 @@ ALLREDUCE_NAMES = {
     "ours": "ours",
 }
 MODEL_NAMES = {"cnn": "small CNN", "resnet50": "ResNet-50 (32x32)", "cnn_bn": "CNN + BN",
-               "resnet50_bn": "ResNet-50's BN layers"}
+               "resnet50_bn": "ResNet-50's BN layers", "sngan": "SN-GAN (16x16)"}
+# Training models whose step is a GAN's (n_dis discriminator updates and one generator
+# update): their own table gives the step time per generator update, and they are not
+# part of the throughput table and target (runner.GAN_MODELS).
+GAN_MODELS = ("sngan",)
 # Batch-norm comparisons in a whole model whose batch-norm layers are a small part
 # of a step: the layers' difference is below what a run resolves there, so such a
 # model checks that GlobalBatchNormalization is not resolved slower (its 90%
@@ -207,7 +211,8 @@ def targets(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = []
     same, best = [], []
     for e in doc["training"]:
-        if e.get("strategy") != "ours" or not e.get("available"):
+        if (e.get("strategy") != "ours" or not e.get("available")
+                or e.get("model") in GAN_MODELS):
             continue
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
         label = f"{MODEL_NAMES.get(e['model'], e['model'])}, {_devices_label(e['devices'])}"
@@ -356,7 +361,7 @@ def _window_table(doc: dict[str, Any]) -> list[str]:
     for e in doc["training"]:
         if e.get("strategy") != "ours":
             continue
-        batch = 64 if e["model"].startswith("resnet50") else 128
+        batch = e.get("global_batch") or (64 if e["model"].startswith("resnet50") else 128)
         one = _one_device(doc, e["model"], e["devices"])
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
         for name, other in (("one device", one), ("stock", stock), ("ours", e)):
@@ -374,6 +379,46 @@ def _window_table(doc: dict[str, Any]) -> list[str]:
                        f"| {ms[-1] / median:.2f}x | {paired} |")
     out += ["", "Paired ratios are of throughput (above 1: ours faster in that pair of windows).",
             ""]
+    return out
+
+
+def _gan_table(doc: dict[str, Any]) -> list[str]:
+    """The GAN rows: step time per generator update of one device, stock and ours,
+    and ours' paired ratios; a side that failed shows its error instead."""
+    rows = [e for e in doc["training"] if e.get("model") in GAN_MODELS
+            and e.get("strategy") == "ours"]
+    if not rows:
+        return []
+    out = ["**SN-GAN** (`kr.applications.sngan.SNGAN`, `model.fit`: ms per step, a step being "
+           "`n_dis=1` discriminator update and one generator update; 16x16 images, `ch=16`, "
+           "global batch 32 per update, synthetic images in [-1, 1]; median of timed windows; "
+           "ratios of throughput, paired window by window, with their 90% interval)", "",
+           "| model | devices | one device | stock `MirroredStrategy` | `ReplicatorStrategy` "
+           "| ours / one device | ours / stock |", "|---|---|---:|---:|---:|---:|---:|"]
+
+    def cell(entry: dict | None) -> str:
+        if entry is None:
+            return "not measured"
+        if not entry.get("available"):
+            reason = entry.get("error") or entry.get("reason") or "not available"
+            lines = [ln for ln in reason.splitlines() if ln.strip()]
+            # The exception's own line (the last), not the worker's exit status.
+            return "fails: `" + (lines[-1] if lines else reason)[:160].replace("|", "/") + "`"
+        return f"{_fmt(entry['step_ms'], 1)} ms"
+
+    def ratio(a: dict, b: dict | None) -> str:
+        r = _speedup(a, b) if b and b.get("available") else None
+        return "-" if r is None else (_fmt_ratio(r) + _fmt_interval(_speedup_interval(a, b)))
+
+    for e in rows:
+        one = _one_device(doc, e["model"], e["devices"])
+        stock = next((x for x in doc["training"] if x.get("model") == e["model"]
+                      and x.get("strategy") == "stock" and x.get("devices") == e["devices"]),
+                     None)
+        out.append(f"| {MODEL_NAMES.get(e['model'], e['model'])} "
+                   f"| {_devices_label(e['devices'])} | {cell(one)} | {cell(stock)} | {cell(e)} "
+                   f"| {ratio(e, one)} | {ratio(e, stock)} |")
+    out.append("")
     return out
 
 
@@ -400,7 +445,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "| ours / one device | ours' all-reduce |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for e in doc["training"]:
-        if e.get("strategy") != "ours":
+        if e.get("strategy") != "ours" or e.get("model") in GAN_MODELS:
             continue
         one = _one_device(doc, e["model"], e["devices"])
         stock = _find(doc["training"], model=e["model"], strategy="stock", devices=e["devices"])
@@ -424,6 +469,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "their window-by-window ratios, which cancels the machine's drift; other ratios "
             "are of medians.", ""]
 
+    out += _gan_table(doc)
     out += _window_table(doc)
     out += _bandwidth_table(doc)
 

@@ -438,6 +438,50 @@ def build_model(name: str, batch_norm: str = "keras"):
     return keras.Model(inputs, outputs)
 
 
+# The small SN-GAN of tests/test_sngan_learning.py (`CONFIGS["small16"]` with the digits'
+# one channel): on 4 replicas it learns digits there, and its steps are short enough
+# for windows of a few steps. Each `fit` step is one generator update: `SNGAN_N_DIS`
+# discriminator updates, each on a global batch of `global_batch` real and as many
+# fake images, then one generator update on `global_batch` fakes.
+SNGAN_IMAGE_SIZE, SNGAN_N_DIS = 16, 1
+
+
+def _sngan(learning_rate: float = 2e-4):
+    """The small SN-GAN (``sngan.SNGAN``), compiled with its two Adam optimizers."""
+    import dataclasses
+
+    import keras
+
+    from keras_replicator.applications import sngan
+
+    keras.utils.set_random_seed(0)
+    config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
+    assert config.image_size == SNGAN_IMAGE_SIZE
+    gan = sngan.SNGAN(sngan.generator(config, NUM_CLASSES), sngan.discriminator(config, NUM_CLASSES),
+                      num_classes=NUM_CLASSES, n_dis=SNGAN_N_DIS, ema_decay=None)
+    gan.compile(d_optimizer=sngan.default_optimizer(learning_rate),
+                g_optimizer=sngan.default_optimizer(learning_rate))
+    return gan
+
+
+def _sngan_dataset(global_batch: int):
+    """Synthetic images in [-1, 1] with int labels, batched ``n_dis x global_batch`` as
+    ``sngan.digits_dataset`` batches the digits (one batch per generator update)."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    n = 4 * SNGAN_N_DIS * global_batch
+    x = rng.uniform(-1.0, 1.0, size=(n, SNGAN_IMAGE_SIZE, SNGAN_IMAGE_SIZE, 1)).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=(n,)).astype("int32")
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(SNGAN_N_DIS * global_batch, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
 def _synthetic_dataset(global_batch: int):
     import numpy as np
     import tensorflow as tf
@@ -457,7 +501,8 @@ def _synthetic_dataset(global_batch: int):
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     """``model.fit`` throughput in examples/s over timed windows after warm-up.
 
-    Spec: ``model``, ``strategy`` (``one`` | ``stock`` | ``ours``), ``devices``,
+    Spec: ``model`` (``sngan``: the small SN-GAN, each step one generator update
+    on ``global_batch`` examples, see ``_sngan``; else ``build_model``'s), ``strategy`` (``one`` | ``stock`` | ``ours``), ``devices``,
     ``global_batch``, ``steps_per_execution``, ``batch_norm``, ``warmup_steps``,
     ``windows``, ``window_steps`` (steps counts are multiples of
     ``steps_per_execution``), ``epoch_per_window`` (each window its own ``fit``
@@ -477,6 +522,8 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
                                   spec.get("cross_device_ops"))
 
     def build_and_compile():
+        if spec["model"] == "sngan":
+            return _sngan()
         model = build_model(spec["model"], spec.get("batch_norm", "keras"))
         model.compile(
             keras.optimizers.SGD(0.01, momentum=0.9),
@@ -504,7 +551,7 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
                 self.model.stop_training = True
 
     t0 = time.perf_counter()
-    dataset = _synthetic_dataset(batch)
+    dataset = (_sngan_dataset if spec["model"] == "sngan" else _synthetic_dataset)(batch)
     if spec.get("epoch_per_window"):
         # Each timed window is one `fit` call (an epoch), as users train: Keras then makes a new
         # iterator over the distributed dataset and drops the last one, and that time (the

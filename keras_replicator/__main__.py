@@ -74,6 +74,8 @@ def _add_job_arguments(
     parser.add_argument("--workers", type=_positive_int, required=workers_required, default=None,
                         metavar="N", help="number of workers" + ("" if workers_required else
                         " on this machine (a one-machine job)"))
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module, run as `python -m SCRIPT` (as torchrun's -m)")
     parser.add_argument("script", help=script_help)
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -102,6 +104,7 @@ def _launch(args: argparse.Namespace) -> int:
             gpus=gpus,
             grace=args.grace,
             timeout=args.timeout,
+            module=args.module,
         )
     except TimeoutError as e:  # the rendezvous of --nnodes did not complete
         sys.stderr.write(f"keras-replicator launch: {e}\n")
@@ -122,6 +125,7 @@ def _k8s(args: argparse.Namespace) -> int:
             gpus_per_worker=args.gpus_per_worker,
             restart_policy=args.restart_policy,
             ps=args.ps,
+            module=args.module,
         )
     )
     return 0
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as e:
         parser.exit(2, f"keras-replicator {args.command}: error: {e}\n")
 
 

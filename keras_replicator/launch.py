@@ -19,6 +19,8 @@ network.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -426,6 +428,31 @@ def _stop(workers: list[_Worker], signum: int, grace: float, signals: _Signals) 
         w.process.wait()
 
 
+def _check_module_name(name: object) -> None:
+    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"module must be a dotted module name such as 'pkg.train', got {name!r}.")
+
+
+def _check_module(name: object, pythonpath: str) -> None:
+    """Refuses a module ``python -m`` would not find, without importing it (nor TensorFlow).
+
+    Looks where a worker's ``python -m`` looks: its working directory (this one), its
+    ``PYTHONPATH``, then this interpreter's ``sys.path`` and finders.
+    """
+    _check_module_name(name)
+    parts = name.split(".")
+    first = [os.getcwd(), *(p for p in pythonpath.split(os.pathsep) if p)]
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], first) or importlib.util.find_spec(parts[0])
+    for i in range(1, len(parts)):
+        if spec is None or not spec.submodule_search_locations:
+            spec = None
+            break
+        spec = importlib.machinery.PathFinder.find_spec(
+            ".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {name!r} for `python -m` here.")
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -449,6 +476,7 @@ def launch(
     timeout: float | None = None,
     python: str = sys.executable,
     output: TextIO | None = None,
+    module: bool = False,
 ) -> int:
     """Runs ``script`` as the local worker processes of one multi-worker job.
 
@@ -473,10 +501,14 @@ def launch(
         ```python
         from keras_replicator.launch import launch
         code = launch("train.py", ["--epochs", "2"], workers=2, devices_per_worker=2)
+        # a module, as `python -m`:
+        code = launch("keras_replicator.applications.sngan", ["--dataset", "digits", "--out", "run"],
+                      module=True, workers=2, devices_per_worker=2)
         ```
 
     Args:
-        script: path of the Python script every worker runs.
+        script: path of the Python script every worker runs (with ``module``, a
+            module name).
         args: command-line arguments for the script.
         workers: number of worker processes on this machine (a one-machine job).
         devices_per_worker: simulate this many CPU devices in each worker (sets
@@ -517,15 +549,22 @@ def launch(
         timeout: stop every worker and return 124 after this many seconds.
         python: the interpreter to run the script with.
         output: where worker output goes (default ``sys.stdout``).
+        module: ``script`` is a module that every worker runs as
+            ``python -m script`` (as torchrun's ``-m``).
 
     Returns:
         0 when every local worker succeeded, else the exit code of the last
         attempt's first failure (128 + N for a worker killed by signal N),
         128 + N when the launcher was stopped by signal N, or 124 on timeout.
     """
-    if not isinstance(script, str) or not script:
+    if module:
+        if python == sys.executable:  # another interpreter has its own modules: not checked
+            _check_module(script, dict(os.environ, **(env or {})).get("PYTHONPATH", ""))
+        else:
+            _check_module_name(script)
+    elif not isinstance(script, str) or not script:
         raise ValueError(f"script must be a path to a Python file, got {script!r}.")
-    if not os.path.isfile(script):
+    elif not os.path.isfile(script):
         raise FileNotFoundError(f"Script {script!r} does not exist.")
     args = list(args)
     if not all(isinstance(a, str) for a in args):
@@ -609,7 +648,8 @@ def launch(
             jobs.setdefault(job, []).append(next(addresses))
         return jobs
 
-    job = _Job(script, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs, grace,
+    command = [python, "-m", script] if module else [python, script]
+    job = _Job(command, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs, grace,
                max_restarts, out, lock)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -631,9 +671,9 @@ def launch(
 class _Job:
     """The local tasks of a job, started together; one `run` per start of the job."""
 
-    def __init__(self, script, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs,
+    def __init__(self, command, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs,
                  grace, max_restarts, out, lock):
-        self.script, self.args, self.tasks = script, args, tasks
+        self.command, self.args, self.tasks = command, args, tasks
         self.devices_per_worker, self.gpus_of, self.base_env = devices_per_worker, gpus_of, base_env
         self.python, self.tee, self.logs, self.grace = python, tee, logs, grace
         self.max_restarts, self.out, self.lock = max_restarts, out, lock
@@ -652,7 +692,7 @@ class _Job:
         if task in self.gpus_of:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus_of[task]
         process = subprocess.Popen(
-            [self.python, self.script, *self.args],
+            [*self.command, *self.args],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -748,6 +788,7 @@ def k8s_manifest(
     restart_policy: str = "OnFailure",
     python: str = "python",
     ps: int = 0,
+    module: bool = False,
 ) -> str:
     """A Kubeflow ``TFJob`` manifest (YAML) running ``script`` on ``workers`` pods.
 
@@ -777,11 +818,14 @@ def k8s_manifest(
             coordinator of asynchronous training), ``workers`` ``Worker`` pods and
             ``M`` ``PS`` pods, each with the same container (GPUs for the chief
             and workers only).
+        module: ``script`` is a module name, run as ``python -m script``.
 
     Returns:
         The manifest, for ``kubectl apply -f -``.
     """
-    if not isinstance(script, str) or not script:
+    if module:
+        _check_module_name(script)
+    elif not isinstance(script, str) or not script:
         raise ValueError(f"script must be a path inside the image, got {script!r}.")
     args = list(args)
     if not all(isinstance(a, str) for a in args):
@@ -804,7 +848,8 @@ def k8s_manifest(
 
     ps = check_int("ps", ps, minimum=0)
 
-    command = ", ".join(_yaml_str(c) for c in [python, script, *args])
+    run = [python, "-m", script] if module else [python, script]
+    command = ", ".join(_yaml_str(c) for c in [*run, *args])
     lines = [
         "apiVersion: kubeflow.org/v1",
         "kind: TFJob",

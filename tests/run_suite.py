@@ -4,8 +4,9 @@ Usage: `python -m tests.run_suite [pytest args...]` (`make test` does this). The
 device counts are read from the test modules' marks (`pytestmark =
 pytest.mark.devices(n)`; a module without one runs with `conftest.DEFAULT_DEVICES`),
 so no process runs for a count that no module asks for. Test files given as
-arguments restrict the scan to them. Prints one closing line with the totals, and
-exits non-zero if any run failed.
+arguments restrict the scan to them. Each process lists its 15 slowest tests (where
+the suite's time goes); then one closing line with the totals; exits non-zero if
+any run failed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main(argv: list[str]) -> int:
             env = dict(os.environ, KR_TEST_DEVICES=str(n))
             print(f"\n=== pytest with {n} simulated CPU device(s) ===", flush=True)
             code = subprocess.call(
-                [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}", *argv], env=env
+                [sys.executable, "-m", "pytest", "-q", "--durations=15", f"--junitxml={junit}", *argv],
+                env=env
             )
             c = _counts(junit)
             failed = c["failures"] + c["errors"]

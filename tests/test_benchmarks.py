@@ -348,3 +348,73 @@ def test_all_reduce_target_reads_several_per_call_and_shows_one_per_call():
     assert "| 2 CPU | 16 MB | 1 | 20.00 |" in table and "**4.50x** | - |" in table
     doc["allreduce"][1] = entry("ours", 3.0, 2.7)
     assert report.targets(doc)[0][2] == "no"  # 1.5x with several per call
+
+
+def test_the_sngan_group_is_one_device_stock_and_ours_on_the_largest_device_count():
+    """The default full run has an SN-GAN group on 4 devices only (one device, stock and
+    ours taking turns), its global batch that of the SN-GAN learning check."""
+    from benchmarks import runner
+
+    settings = runner.Settings.for_mode(False)
+    assert "sngan" in settings.models
+    configs = [c for c in runner.plan(settings, {"global_batch_norm_available": True})
+               if c.key.get("model") == "sngan"]
+    assert [(c.section, c.key["strategy"], c.key["devices"], c.group) for c in configs] == [
+        ("training", "one", 1, "sngan/4"), ("training", "stock", 4, "sngan/4"),
+        ("training", "ours", 4, "sngan/4")]
+    assert all(c.spec["global_batch"] == 32 and c.spec["epoch_per_window"] for c in configs)
+    assert "sngan/4" in runner._EXPECTED_SECONDS
+
+
+def test_sngan_worker_times_generator_updates_taking_turns():
+    """The SN-GAN's `fit` runs in the benchmark worker on one device and on 2 replicas
+    (ours), the two timing their windows one at a time."""
+    from benchmarks import runner
+
+    spec = {"kind": "train", "model": "sngan", "global_batch": 8, "steps_per_execution": 1,
+            "warmup_steps": 1, "windows": 2, "window_steps": 1, "epoch_per_window": True}
+    results = runner.run_group([dict(spec, strategy="one", devices=1),
+                                dict(spec, strategy="ours", devices=2)], timeout=600)
+    assert all(isinstance(r, dict) for r in results), results
+    assert [r["replicas"] for r in results] == [1, 2]
+    assert results[0]["parameters"] == results[1]["parameters"] > 100_000
+    assert all(len(r["samples"]) == 2 and all(_positive(x) for x in r["samples"])
+               for r in results)
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
+
+
+def test_sngan_table_gives_step_times_and_says_how_stock_fails():
+    """The GAN row: ms per generator update and paired ratios; a stock failure is shown
+    in the row (its exception's line) and is not a failure of the run."""
+    from benchmarks import report, runner
+
+    def entry(strategy, devices, ms):
+        samples = [1000.0 * 32 / x for x in ms]
+        return {"model": "sngan", "strategy": strategy, "devices": devices, "available": True,
+                "group": "sngan/4", "global_batch": 32, "window_samples": [samples],
+                "examples_per_second": sorted(samples)[1], "step_ms": sorted(ms)[1]}
+
+    doc = {"training": [entry("one", 1, [100.0, 120.0, 110.0]),
+                        entry("stock", 4, [400.0, 300.0, 350.0]),
+                        entry("ours", 4, [200.0, 150.0, 175.0])]}
+    table = "\n".join(report._gan_table(doc))
+    assert "| SN-GAN (16x16) | 4 CPU | 110.0 ms | 350.0 ms | 175.0 ms | **0.63x** | **2.00x** |" \
+        in table
+    assert report.targets(dict(doc, batch_norm=[], allreduce=[], steps_per_execution=[])) == []
+    error = ("exit 1:\nTraceback (most recent call last):\n  ...\n"
+             "tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error")
+    doc["training"][1] = {"model": "sngan", "strategy": "stock", "devices": 4,
+                          "available": False, "error": error}
+    table = "\n".join(report._gan_table(doc))
+    assert "| fails: `tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph " \
+           "execution error` | 175.0 ms | **0.63x** | - |" in table
+    failed = runner.Config("training", {"model": "sngan", "strategy": "stock", "devices": 4},
+                           {"global_batch": 32}, errors=[error])
+    crashed = runner.Config("training", {"model": "cnn", "strategy": "stock", "devices": 4},
+                            {"global_batch": 128}, errors=[error])
+    settings = runner.Settings.for_mode(False)
+    collected = runner.collect([failed, crashed], settings, {}, 0.0, 1.0)
+    assert [f["config"] for f in collected["failures"]] == [crashed.name]
+    assert collected["training"][0]["error"] == error

@@ -7,8 +7,13 @@ of that thread's autotuning period, which doubles with the iterator's age
 (0.3-20 s; docs/performance.md, "The stall at every epoch"). Each test lets its
 iterators live `_LIFETIME` seconds, so that a stall, when it happens, costs up
 to about that long, while dropping an iterator otherwise takes milliseconds
-(10-20 ms measured with the machine's load average at 10-13). The bounds are
-fractions of `_LIFETIME`: generous for a shared machine, far below a stall.
+(10-20 ms measured with the machine's load average at 10-13, 5-8 ms on a quiet
+machine, but 0.3-0.7 s in a suite run niced to 10 under a load average of 12).
+A stall shows in one of two ways: on a loaded machine most drops stall (unfixed,
+lifetime 1.5 s: 0.9-3.6 s), on a quiet one a drop now and then (unfixed, quiet:
+one drop in six took 0.52-0.55 s, the others 6-8 ms). So a test fails if more
+than one drop takes over half of `_LIFETIME`, or if the slowest takes over 0.25 s
+and 20 times the median drop; neither happened with the fix, loaded or quiet.
 
 `KR_TEST_STALL_UNFIXED=1` turns keras_replicator's fix off in this process, to
 see these tests fail (docs/performance.md says how they did).
@@ -28,8 +33,8 @@ from keras_replicator._compat import multi_device_iterator
 
 pytestmark = pytest.mark.devices(4)
 
-_LIFETIME = 1.5  # seconds each iterator lives before it is dropped
-_ROUNDS = 6
+_LIFETIME = 2.0  # seconds each iterator lives before it is dropped
+_ROUNDS = 8
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +72,10 @@ def test_dropping_an_iterator_does_not_stall(entry):
     else:
         distributed = strategy.distribute_dataset(_dataset().repeat(), global_batch_size=32)
     times = _drop_times(distributed)
-    # A stall costs up to ~_LIFETIME; at most one slow drop is tolerated (the machine is shared).
-    slow = [t for t in times if t > 0.2 * _LIFETIME]
-    assert len(slow) <= 1, f"dropping an iterator took {[round(t, 3) for t in times]} s"
+    shown = f"dropping an iterator took {[round(t, 3) for t in times]} s"
+    # Loaded machine: stalls in most drops; one slow drop is tolerated (the machine is shared).
+    assert sum(t > 0.5 * _LIFETIME for t in times) <= 1, shown
+    # Quiet machine: a rare stall stands out against drops of a few milliseconds.
+    slowest, median = max(times), float(np.median(times))
+    assert not (slowest > 0.25 and slowest > 20 * median), shown
 

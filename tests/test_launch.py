@@ -145,6 +145,32 @@ def test_missing_script_and_bad_args(tmp_path):
         launch(script(tmp_path, "print(1)\n"), [1], workers=2)
 
 
+def test_a_module_runs_as_with_python_dash_m(tmp_path):
+    package = tmp_path / "lib" / "trainers"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text(textwrap.dedent(REPORT))
+    (package / "__main__.py").write_text("print('package main')\n")
+    env = {"PYTHONPATH": str(tmp_path / "lib")}
+    out = io.StringIO()
+    assert launch("trainers.job", ["--lr", "0.1"], module=True, workers=2, env=env, output=out) == 0
+    assert lines_of(out.getvalue(), 1)[0] == "index 1 args ['--lr', '0.1']"
+    out = io.StringIO()
+    assert launch("trainers", module=True, workers=1, env=env, output=out) == 0  # its __main__
+    assert lines_of(out.getvalue(), 0) == ["package main"]
+    # A module the workers would not find, or not a module name: refused before any start.
+    for name, error, message in [
+        ("trainers.nope", ModuleNotFoundError, "No module named 'trainers.nope'"),
+        ("nope_at_all", ModuleNotFoundError, "No module named 'nope_at_all'"),
+        ("trainers/job.py", ValueError, "module must be a dotted module name"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            launch(name, module=True, workers=2, env=env, output=io.StringIO())
+    manifest = yaml.safe_load(k8s_manifest("trainers.job", ["-x"], module=True, workers=1, image="i"))
+    container = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "trainers.job", "-x"]
+
+
 def test_free_ports_and_tf_config():
     ports = free_ports(4)
     assert len(set(ports)) == 4 and all(1 <= p <= 65535 for p in ports)
@@ -182,6 +208,7 @@ def test_command_line_launch(tmp_path, capsys):
         (["launch", "--workers", "two", "x.py"], "argument --workers: 'two' is not an integer"),
         (["launch", "--workers", "2", "--timeout", "0", "x.py"], "argument --timeout: must be positive, got 0"),
         (["launch", "--workers", "2", "missing.py"], "keras-replicator launch: error: Script 'missing.py' does not exist."),
+        (["launch", "--workers", "2", "-m", "no_such_module.train"], "error: No module named 'no_such_module.train'"),
         (["k8s", "--workers", "2", "--image", "i:1", "--name", "My_Job", "t.py"], "name must be a Kubernetes name"),
         (["k8s", "--workers", "2", "t.py"], "the following arguments are required: --image"),
     ],

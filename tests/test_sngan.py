@@ -103,6 +103,22 @@ def test_sampling_uses_ema_and_generator_saves(reference, tmp_path):
     np.testing.assert_allclose(loaded([z, labels]).numpy(), out, rtol=1e-5, atol=1e-6)
 
 
+def test_ema_is_warmed_up_like_tensorflows_moving_average():
+    keras.utils.set_random_seed(0)
+    gan = sngan.SNGAN(sngan.generator(TINY, 10), sngan.discriminator(TINY, 10), num_classes=10,
+                      n_dis=1, ema_decay=0.9, seed=3)
+    gan.compile(d_optimizer=sngan.default_optimizer(1e-3), g_optimizer=sngan.default_optimizer(1e-3))
+    ds = sngan.digits_dataset(8, 1, data=_data(), shuffle=False)
+    expected = [w.numpy() for w in gan.generator.trainable_weights]  # the EMA starts there
+    for t in (1, 2, 3):
+        gan.fit(ds, steps_per_epoch=1, epochs=1, verbose=0)
+        decay = min(0.9, (1 + t) / (10 + t))  # 0.18, 0.25, 0.31: the initial weights fade fast
+        expected = [decay * e + (1 - decay) * w.numpy()
+                    for e, w in zip(expected, gan.generator.trainable_weights)]
+        for e, ema in zip(expected, gan.ema_weights):
+            np.testing.assert_allclose(ema.numpy(), e, rtol=1e-5, atol=1e-6)
+
+
 def test_configs():
     cfg = sngan.get_config("imagenet128")
     g, d = sngan.generator(cfg, 1000), sngan.discriminator(cfg, 1000)

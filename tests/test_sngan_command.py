@@ -1,4 +1,5 @@
-"""`python -m keras_replicator.applications.sngan`: outputs, resume, clear errors."""
+"""`python -m keras_replicator.applications.sngan`: outputs, resume, clear errors, and the
+same run on 2 workers x 2 devices through the launcher."""
 
 import json
 import os
@@ -11,17 +12,31 @@ import pytest
 from tests.helpers import ROOT, run_python
 
 
-def _command(*args, timeout=600):
+def _command(*args, timeout=600, launch=()):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
     env.pop("KR_TEST_DEVICES", None)
-    return subprocess.run([sys.executable, "-m", "keras_replicator.applications.sngan", *args],
+    launcher = [sys.executable, "-m", "keras_replicator", "launch", *launch, "-m"] if launch else [
+        sys.executable, "-m"]
+    return subprocess.run([*launcher, "keras_replicator.applications.sngan", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _common(out):
+    return ["--dataset", "digits", "--out", out, "--ch", "8", "--global-batch-size", "8",
+            "--n-dis", "1", "--eval-every", "2", "--eval-samples", "40", "--verbose", "0"]
+
+
+def _generator_weights(path):
+    import keras
+
+    import keras_replicator  # noqa: F401 (registers the layers)
+    return [np.asarray(w) for w in keras.saving.load_model(path).weights]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "mnist"], "unknown dataset 'mnist'"),
     (["--dataset", "digits", "--global-batch-size", "30"], "is not divisible by --replicas 4"),
-    (["--dataset", "digits", "--image-size", "64"], "cannot be made by configuration 'small32'"),
+    (["--dataset", "digits", "--image-size", "64"], "cannot be made by configuration 'small16'"),
     (["--dataset", "digits", "--config", "cifar"], "Unknown SN-GAN configuration 'cifar'"),
     (["--dataset", "digits", "--steps", "0"], "must be at least 1"),
 ])
@@ -32,29 +47,44 @@ def test_bad_input_is_refused_clearly(tmp_path, args, message):
     assert not os.listdir(tmp_path)  # refused before any work
 
 
-def test_trains_writes_outputs_and_resumes(tmp_path):
-    out = str(tmp_path / "run")
-    common = ["--dataset", "digits", "--out", out, "--ch", "8", "--global-batch-size", "8",
-              "--n-dis", "1", "--eval-every", "2", "--eval-samples", "40", "--verbose", "0"]
-    first = _command(*common, "--steps", "2")
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """2 steps, then resumed to 4, in one process of 4 replicas; what the first run left."""
+    out = str(tmp_path_factory.mktemp("one_process") / "run")
+    run = {"out": out, "first": _command(*_common(out), "--steps", "2"), "second": None}
+    if run["first"].returncode == 0:
+        run["first_metrics"] = json.load(open(os.path.join(out, "metrics.json")))
+        run["first_state"] = json.load(open(os.path.join(out, "checkpoint", "state.json")))
+        run["first_checkpoint"] = sorted(os.listdir(os.path.join(out, "checkpoint")))
+        run["judge"] = os.stat(os.path.join(out, "classifier.keras")).st_mtime_ns
+        run["second"] = _command(*_common(out), "--steps", "4")
+    return run
+
+
+def test_trains_writes_outputs_and_resumes(one_process_run):
+    out, first, second = (one_process_run[k] for k in ("out", "first", "second"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "resuming" not in first.stdout
-    history = json.load(open(os.path.join(out, "metrics.json")))
+    history = one_process_run["first_metrics"]
     assert [h["step"] for h in history] == [2]
     assert all(np.isfinite(h["fid"]) and h["inception_score"] >= 1.0 for h in history)
-    state = json.load(open(os.path.join(out, "checkpoint", "state.json")))
-    assert state == {"step": 2, "weights": "gan-2.weights.h5"}
-    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == ["gan-2.weights.h5", "state.json"]
-    judge = os.stat(os.path.join(out, "classifier.keras")).st_mtime_ns
+    assert all(0.0 <= h["class_accuracy"] <= 1.0 for h in history)
+    # Training time excludes the classifier, the evaluation and the checkpoint.
+    assert 0.0 < history[0]["train_seconds"] < history[0]["seconds"]
+    assert one_process_run["first_state"] == {"step": 2, "weights": "gan-2.weights.h5"}
+    assert one_process_run["first_checkpoint"] == ["gan-2.weights.h5", "state.json"]
+    judge = one_process_run["judge"]
 
     # A finished run continues with a larger --steps: from step 2, two more updates (one
     # evaluation interval; the restored optimizers count the steps).
-    second = _command(*common, "--steps", "4")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from step 2" in second.stdout
     assert "step 2:" not in second.stdout and "step 4:" in second.stdout
     history = json.load(open(os.path.join(out, "metrics.json")))
     assert [h["step"] for h in history] == [2, 4]
+    # Summed over the resume: the first run's time plus this interval's, within this run's.
+    added = history[1]["train_seconds"] - history[0]["train_seconds"]
+    assert 0.0 < added < history[1]["seconds"], history
     assert json.load(open(os.path.join(out, "checkpoint", "state.json")))["step"] == 4
     assert os.stat(os.path.join(out, "classifier.keras")).st_mtime_ns == judge  # the same judge
 
@@ -64,9 +94,46 @@ def test_trains_writes_outputs_and_resumes(tmp_path):
         g = keras.saving.load_model({os.path.join(out, "generator.keras")!r})
         z = np.random.default_rng(0).standard_normal((5, 64)).astype("float32")
         x = np.asarray(g([z, np.arange(5, dtype="int32")]))
-        assert x.shape == (5, 32, 32, 1) and np.all(np.abs(x) <= 1.0), (x.shape, x.min(), x.max())
+        assert x.shape == (5, 16, 16, 1) and np.all(np.abs(x) <= 1.0), (x.shape, x.min(), x.max())
         print("ok")
     """)
     assert check.returncode == 0 and "ok" in check.stdout, check.stderr[-3000:]
     from PIL import Image
-    assert Image.open(os.path.join(out, "samples.png")).size == (320, 320)
+    assert Image.open(os.path.join(out, "samples.png")).size == (160, 160)
+
+
+def test_two_workers_through_the_launcher_train_the_same_gan(tmp_path, one_process_run):
+    """`keras-replicator launch -m ...`: 2 workers x 2 devices, 2 steps then resumed to 4."""
+    out = str(tmp_path / "run")
+    launch = ["--workers", "2", "--devices-per-worker", "2", "--timeout", "500"]
+    first = _command(*_common(out), "--steps", "2", launch=launch)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
+    second = _command(*_common(out), "--steps", "4", launch=launch)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-5000:]
+    # Both workers resumed from the chief's checkpoint; only the chief reported the step.
+    assert "[worker 0] resuming from step 2" in second.stdout
+    assert "[worker 1] resuming from step 2" in second.stdout
+    assert "[worker 0] step 4:" in second.stdout and "[worker 1] step 4:" not in second.stdout
+    # Only the chief wrote to --out.
+    assert sorted(os.listdir(out)) == ["checkpoint", "classifier.keras", "generator.keras",
+                                       "metrics.json", "samples.png"]
+    assert sorted(os.listdir(os.path.join(out, "checkpoint"))) == ["gan-4.weights.h5", "state.json"]
+    assert [h["step"] for h in json.load(open(os.path.join(out, "metrics.json")))] == [2, 4]
+    # 2 workers x 2 devices train the GAN that 4 devices of one process train: the same
+    # global batches, the same steps (EMA weights, conditional batch norm statistics).
+    reference_out, reference = one_process_run["out"], one_process_run["second"]
+    assert reference is not None and reference.returncode == 0
+    mine = _generator_weights(os.path.join(out, "generator.keras"))
+    theirs = _generator_weights(os.path.join(reference_out, "generator.keras"))
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_global_batch_the_launched_job_cannot_split_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    result = _command("--dataset", "digits", "--out", out, "--global-batch-size", "6",
+                      "--replicas", "2", launch=["--workers", "2", "--devices-per-worker", "2"])
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "is not divisible by the job's 4 replicas (2 workers x 2)" in result.stdout
+    assert not os.path.exists(out)

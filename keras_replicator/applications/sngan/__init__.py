@@ -1,7 +1,8 @@
 """Tutorial 2: the class-conditional SN-GAN (projection discriminator), replicated.
 
 * `models`: `generator`, `discriminator`, `SNGANConfig`, `CONFIGS`
-  (`"imagenet128"`: the reference widths; `"small32"`: 32x32, trains on a CPU).
+  (`"imagenet128"`: the reference widths; `"small32"`: 32x32, trains on a CPU;
+  `"small16"`: 16x16, a quarter of small32's step).
 * `training`: `SNGAN`, the two-optimizer hinge-loss step for `fit`.
 * `data`: scikit-learn's digits and TFDS `imagenet2012` at 128x128.
 

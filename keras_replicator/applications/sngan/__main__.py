@@ -3,10 +3,28 @@
 Example:
     ```bash
     python -m keras_replicator.applications.sngan --dataset digits --out runs/digits
+    # the same run on 2 worker processes of 2 simulated devices each:
+    keras-replicator launch --workers 2 --devices-per-worker 2 \
+        -m keras_replicator.applications.sngan --dataset digits --out runs/digits2x2
     ```
 
-Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (FID
-and Inception Score at every evaluation) and `OUT/samples.png` (one row per class).
+Each dataset has its defaults (`DEFAULTS`): on digits the small-scale ones, chosen so the
+command finishes in minutes on a CPU (`small16`, global batch 128, one discriminator update
+per generator update, learning rate 1e-3: see the tutorial's large-batch study); on
+imagenet2012 SN-GAN's (`imagenet128`, batch 64, `n_dis` 5, 2e-4, 450k updates).
+
+Under the launcher (or any `TF_CONFIG` or Slurm cluster) the strategy spans every worker:
+`--replicas` is then the replicas of each worker (the launcher's `--devices-per-worker` wins on
+a CPU), the global batch is split over all of them, and only the chief writes to `OUT` (the
+other workers save to temporary places, as `kr.save_model` does); every worker reads `OUT`'s
+checkpoint to resume, so `OUT` must be a folder they share.
+
+Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (one
+record per evaluation interval: `step`, the losses, FID and Inception Score, on digits the
+`class_accuracy` of the samples, `seconds` since this invocation started and `train_seconds`,
+the run's time spent in training steps, summed over resumes: without the evaluations, the
+checkpoints and each invocation's first step, which traces and builds the step's graph) and
+`OUT/samples.png` (one row per class).
 
 `OUT/checkpoint/` holds the run's own state, written atomically after every
 evaluation interval: `gan-STEP.weights.h5` (both networks, the EMA weights, the
@@ -27,6 +45,15 @@ import time
 from keras_replicator.__main__ import _non_negative_int, _positive_float, _positive_int
 
 DATASETS = ("digits", "imagenet2012")
+# What a flag left out means, by dataset. digits: minutes on a CPU (docs/sngan_large_batch.md
+# measured small16 with n_dis 1 and 1e-3: class accuracy 0.91 at 300 updates with batch 128);
+# imagenet2012: SN-GAN's projection model (Miyato & Koyama 2018), 450k updates.
+DEFAULTS = {
+    "digits": {"config": "small16", "global_batch_size": 128, "steps": 600, "n_dis": 1,
+               "learning_rate": 1e-3, "eval_every": 100},
+    "imagenet2012": {"config": "imagenet128", "global_batch_size": 64, "steps": 450_000,
+                     "n_dis": 5, "learning_rate": 2e-4, "eval_every": 5000},
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,19 +64,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (rerun to resume)")
     p.add_argument("--data-dir", default=None, help="TFDS data_dir of imagenet2012")
     p.add_argument("--config", default=None,
-                   help="small32 (digits default) or imagenet128 (imagenet2012 default)")
+                   help="small16 (digits default), small32 or imagenet128 (imagenet2012 default)")
     p.add_argument("--ch", type=_positive_int, default=None,
                    help="base width of both networks (default: the configuration's)")
     p.add_argument("--image-size", type=_positive_int, default=None,
                    help="image side; must be what the configuration makes")
-    p.add_argument("--global-batch-size", type=_positive_int, default=64)
-    p.add_argument("--steps", type=_positive_int, default=600, help="generator updates")
+    p.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="examples per discriminator update over all replicas (digits 128, "
+                   "imagenet2012 64)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="generator updates (digits 600, imagenet2012 450000)")
     p.add_argument("--replicas", type=_positive_int, default=4,
-                   help="replicas (simulated CPU devices when there is no GPU)")
-    p.add_argument("--n-dis", type=_positive_int, default=5)
-    p.add_argument("--learning-rate", type=_positive_float, default=2e-4)
-    p.add_argument("--ema-decay", type=float, default=0.999, help="negative: no EMA")
-    p.add_argument("--eval-every", type=_positive_int, default=100)
+                   help="replicas of this machine, or of each worker under the launcher "
+                   "(simulated CPU devices when there is no GPU)")
+    p.add_argument("--n-dis", type=_positive_int, default=None,
+                   help="discriminator updates per generator update (digits 1, imagenet2012 5)")
+    p.add_argument("--learning-rate", type=_positive_float, default=None,
+                   help="Adam's, both networks (digits 1e-3, imagenet2012 2e-4)")
+    p.add_argument("--ema-decay", type=float, default=0.999,
+                   help="generator EMA decay, warmed up (negative: no EMA)")
+    p.add_argument("--eval-every", type=_positive_int, default=None,
+                   help="generator updates between evaluations and checkpoints "
+                   "(digits 100, imagenet2012 5000)")
     p.add_argument("--eval-samples", type=_positive_int, default=1000)
     p.add_argument("--inception-weights", default=None,
                    help="InceptionV3 weights file for FID/IS on imagenet2012 (none: skipped)")
@@ -62,14 +98,26 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every bad input is refused here, before TensorFlow starts."""
     if args.dataset not in DATASETS:
         parser.error(f"unknown dataset {args.dataset!r}; choose one of {', '.join(DATASETS)}")
-    if args.global_batch_size % args.replicas:
+    for name, value in DEFAULTS[args.dataset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    from keras_replicator import cluster
+
+    try:  # a TF_CONFIG (launcher, Kubeflow) or Slurm cluster: every worker's replicas share it
+        resolver = cluster.resolve_cluster()
+        local = cluster._devices_per_worker_from_env() or args.replicas  # the launcher's K wins
+    except cluster.ClusterConfigError as e:
+        parser.error(str(e))
+    jobs = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    workers = sum(len(jobs.get(job, ())) for job in ("chief", "worker")) or 1
+    if args.global_batch_size % (workers * local):
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                     f"--replicas {args.replicas}")
+                     + (f"--replicas {args.replicas}" if workers == 1 and local == args.replicas
+                        else f"the job's {workers * local} replicas ({workers} workers x {local})"))
     if args.ema_decay >= 1.0:
         parser.error(f"--ema-decay must be < 1 (negative for no EMA), got {args.ema_decay}")
     from keras_replicator.applications.sngan import models
 
-    args.config = args.config or ("small32" if args.dataset == "digits" else "imagenet128")
     try:
         cfg = models.get_config(args.config)
     except ValueError as e:
@@ -102,11 +150,19 @@ def _read_state(folder: str) -> dict | None:
 
 
 def _write_state(folder: str, gan, step: int) -> None:
-    """Weights first, then `state.json` naming them (each replaced atomically), then old files."""
-    os.makedirs(folder, exist_ok=True)
+    """Weights first, then `state.json` naming them (each replaced atomically), then old files.
+
+    Every worker of a cluster calls it (reading the weights may need them all); only the
+    chief writes to `folder`.
+    """
+    import keras_replicator as kr
+
     name = f"gan-{step}.weights.h5"
     tmp = os.path.join(folder, f".tmp-{name}")
-    gan.save_weights(tmp)
+    if gan.distribute_strategy.is_chief:
+        os.makedirs(folder, exist_ok=True)
+    if not kr.save_model(gan, tmp):
+        return
     os.replace(tmp, os.path.join(folder, name))
     with open(os.path.join(folder, ".tmp-state.json"), "w") as f:
         json.dump({"step": step, "weights": name}, f)
@@ -125,11 +181,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import keras_replicator as kr
 
+    # The strategy first, before any tensor: in a cluster it configures TensorFlow's runtime.
     if not tf.config.list_physical_devices("GPU"):
-        kr.simulate_devices(args.replicas)
-        devices = [f"/cpu:{i}" for i in range(args.replicas)]
+        kr.simulate_devices(args.replicas)  # the launcher's --devices-per-worker wins
+        strategy = kr.ReplicatorStrategy()
     else:
-        devices = [f"/gpu:{i}" for i in range(args.replicas)]
+        strategy = kr.ReplicatorStrategy([f"/gpu:{i}" for i in range(args.replicas)])
+    if args.global_batch_size % strategy.num_replicas_in_sync:
+        parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by the "
+                     f"{strategy.num_replicas_in_sync} replicas of {strategy}")
+    chief = strategy.is_chief  # only the chief writes to --out; every worker reads it
 
     import dataclasses
 
@@ -139,26 +200,30 @@ def main(argv: list[str] | None = None) -> int:
     from keras_replicator.applications import sngan
     from keras_replicator.applications.sngan import metrics
 
-    os.makedirs(args.out, exist_ok=True)
+    if chief:
+        os.makedirs(args.out, exist_ok=True)
     cfg = sngan.get_config(args.config)
     if args.ch:
         cfg = dataclasses.replace(cfg, ch=args.ch)
-    strategy = kr.ReplicatorStrategy(devices)
     if args.dataset == "digits":
         cfg = dataclasses.replace(cfg, channels=1)
         x, y = sngan.digits(cfg.image_size)
         num_classes = sngan.DIGITS_CLASSES
         train = sngan.digits_dataset(args.global_batch_size, args.n_dis, image_size=cfg.image_size,
-                                     num_replicas=args.replicas, seed=args.seed, data=(x, y))
+                                     num_replicas=strategy.num_replicas_in_sync, seed=args.seed,
+                                     data=(x, y))
         # The judge of FID and accuracy is kept with the run: a resumed run measures with the
         # same features (and does not train it again).
         classifier_path = os.path.join(args.out, "classifier.keras")
+        # (In a cluster the other workers measure with their own, unrecorded: only the
+        # chief's metrics are written.)
         if os.path.exists(classifier_path):
             classifier = keras.saving.load_model(classifier_path)
         else:
             classifier = metrics.train_digits_classifier(x, y)
-            classifier.save(classifier_path + ".tmp.keras")
-            os.replace(classifier_path + ".tmp.keras", classifier_path)
+            if chief:
+                classifier.save(classifier_path + ".tmp.keras")
+                os.replace(classifier_path + ".tmp.keras", classifier_path)
         extractor = metrics.classifier_extractor(classifier)
         real_feats, _ = metrics.real_features(extractor, x)
     else:
@@ -197,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics_path = os.path.join(args.out, "metrics.json")
     history = json.load(open(metrics_path)) if os.path.exists(metrics_path) else []
+    history = [h for h in history if h["step"] <= done]  # past the checkpoint: redone
     start = time.time()
+    # Time in training steps, summed over resumes: fit's epochs without the evaluation and
+    # checkpoint (done in on_epoch_end) and without this process's first step (graph building).
+    clock = {"train": history[-1].get("train_seconds", 0.0) if history else 0.0, "built": False}
 
     class Interval(keras.callbacks.Callback):
         """Evaluates, writes metrics.json and the checkpoint; stops at exactly --steps."""
@@ -205,44 +274,60 @@ def main(argv: list[str] | None = None) -> int:
         def on_train_batch_end(self, batch, logs=None):
             if int(gan.g_optimizer.iterations.numpy()) >= args.steps:
                 self.model.stop_training = True
+            if not clock["built"]:
+                clock["built"], clock["begin"] = True, time.perf_counter()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            clock["begin"] = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
+            clock["train"] += time.perf_counter() - clock["begin"]
             step = int(gan.g_optimizer.iterations.numpy())
             record = {"step": step, "d_loss": float(logs["d_loss"]),
                       "g_loss": float(logs["g_loss"]),
-                      "seconds": time.time() - start}
+                      "seconds": time.time() - start, "train_seconds": clock["train"]}
             if extractor is not None:
                 with strategy.scope():
                     sampler = gan.sampler()
-                feats, probs, _ = metrics.generated_features(
+                # Latents keyed by (seed + step, round, replica): never the training's, which
+                # are keyed by (seed, ...) (see SNGAN._latents).
+                feats, probs, asked = metrics.generated_features(
                     strategy, sampler, extractor, num_samples=args.eval_samples,
                     num_classes=num_classes, seed=args.seed + step)
                 record["fid"] = metrics.frechet_distance(
                     *metrics.gaussian_statistics(real_feats), *metrics.gaussian_statistics(feats))
                 record["inception_score"] = metrics.inception_score(probs)[0]
+                if args.dataset == "digits":
+                    # The classifier of real digits names the class asked for.
+                    record["class_accuracy"] = float(np.mean(np.argmax(probs, 1) == asked))
             history[:] = [h for h in history if h["step"] < step] + [record]
-            with open(metrics_path + ".tmp", "w") as f:
-                json.dump(history, f, indent=1)
-            os.replace(metrics_path + ".tmp", metrics_path)
+            if chief:
+                with open(metrics_path + ".tmp", "w") as f:
+                    json.dump(history, f, indent=1)
+                os.replace(metrics_path + ".tmp", metrics_path)
             _write_state(checkpoint, gan, step)
-            print("step {step}: ".format(**record) + ", ".join(
-                f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
+            if chief:
+                print("step {step}: ".format(**record) + ", ".join(
+                    f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
 
+    verbose = args.verbose if chief else 0
     if done < args.steps:
         # Intervals end at multiples of --eval-every (and at --steps): a resumed run
         # first completes the interval it was in.
         first = args.eval_every - done % args.eval_every
         if first < args.eval_every:
             gan.fit(train, epochs=1, steps_per_epoch=min(first, args.steps - done),
-                    verbose=args.verbose, callbacks=[Interval()])
+                    verbose=verbose, shuffle=False, callbacks=[Interval()])
             done = int(gan.g_optimizer.iterations.numpy())
         if done < args.steps:
             gan.fit(train, epochs=-(-(args.steps - done) // args.eval_every),
-                    steps_per_epoch=args.eval_every, verbose=args.verbose, callbacks=[Interval()])
+                    steps_per_epoch=args.eval_every, verbose=verbose, shuffle=False, callbacks=[Interval()])
 
     with strategy.scope():
         sampler = gan.sampler()
-    sampler.save(os.path.join(args.out, "generator.keras"))
+    kr.save_model(sampler, os.path.join(args.out, "generator.keras"))
+    if not chief:
+        return 0
     rows = min(num_classes, 10)
     z = np.random.default_rng(args.seed).standard_normal((rows * 10, cfg.z_dim)).astype("float32")
     labels = np.repeat(np.arange(rows, dtype=np.int32), 10)

@@ -96,7 +96,10 @@ class SNGAN(keras.Model):
         ema_decay: if set, keep an exponential moving average of the generator's
             trainable weights with this decay (BigGAN uses 0.9999), updated after
             each generator update, identical on every replica; `sampler()` and
-            `call` use it.
+            `call` use it. As in `tf.train.ExponentialMovingAverage` with
+            `num_updates`, the decay after the `t`-th update is
+            `min(ema_decay, (1 + t) / (10 + t))`, so that short runs average
+            recent weights rather than the initial ones.
         seed: seed of the latents and fake labels.
         **kwargs: `keras.Model` arguments (`name`).
     """
@@ -276,7 +279,10 @@ class SNGAN(keras.Model):
         grads = tape.gradient(g_loss, g_vars)
         self.g_optimizer.apply(grads, g_vars)
         if self.ema_weights:
-            decay = tf.constant(self.ema_decay, tf.float32)
+            # Warmed up as tf.train.ExponentialMovingAverage(num_updates=t): the average
+            # forgets the initial weights within a short run too.
+            t = tf.cast(self.g_optimizer.iterations, tf.float32)
+            decay = tf.minimum(tf.constant(self.ema_decay, tf.float32), (1.0 + t) / (10.0 + t))
             for ema, w in zip(self.ema_weights, g_vars):
                 ema.assign(decay * ema + (1.0 - decay) * tf.cast(w, ema.dtype))
 
