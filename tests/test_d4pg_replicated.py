@@ -180,9 +180,12 @@ def test_training_rejects_bad_input_before_work(tmp_path):
 
 @pytest.mark.timeout(1500)
 def test_pendulum_learns(tmp_path):
-    """The documented Pendulum-v1 configuration, stopped at 16k steps (a random policy: -1200;
-    measured -159 at 14k and -122 at 20k steps): the mean of 10 evaluation episodes >= -400."""
+    """The documented Pendulum-v1 configuration (a random policy: about -1200), 24k environment
+    steps: the mean of 10 evaluation episodes >= -400. Runs are not bit-reproducible (the actors
+    are asynchronous), so the budget has a margin: of 7 measured runs (docs/d4pg.md) the slowest
+    was at -1142 at 16k and -1007 at 18k, all were at -206 or better at 20k, and the two run on
+    to 26k stayed there."""
     rows = training.train("Pendulum-v1", str(tmp_path), actors=2, replicas=2, seed=0,
-                          env_steps=16_000, eval_every=16_000, eval_episodes=10, verbose=False)
-    assert rows[-1]["env_steps"] >= 16_000
+                          env_steps=24_000, eval_every=24_000, eval_episodes=10, verbose=False)
+    assert rows[-1]["env_steps"] >= 24_000
     assert rows[-1]["eval_return"] >= -400, rows
