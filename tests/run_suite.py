@@ -94,9 +94,10 @@ def main(argv: list[str]) -> int:
     grand = {"passed": 0, "failed": 0, "skipped": 0}
     worst = 0
     counts = device_counts(argv)
-    jobs = int(os.environ.get("KR_TEST_JOBS", "2"))
-    if jobs < 1:
-        raise SystemExit(f"KR_TEST_JOBS must be at least 1, got {jobs}")
+    jobs = os.environ.get("KR_TEST_JOBS", "2")
+    if not jobs.isdigit() or int(jobs) < 1:
+        raise SystemExit(f"KR_TEST_JOBS must be a whole number of at least 1, got {jobs!r}")
+    jobs = int(jobs)
     with tempfile.TemporaryDirectory() as tmp:
         alone = counts[:1] if jobs > 1 else counts
         codes = {}
