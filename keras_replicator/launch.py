@@ -649,7 +649,7 @@ def launch(
         return jobs
 
     command = [python, "-m", script] if module else [python, script]
-    job = _Job(command, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs, grace,
+    job = _Job(command, args, tasks, devices_per_worker, gpus_of, base_env, tee, logs, grace,
                max_restarts, out, lock)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -671,11 +671,11 @@ def launch(
 class _Job:
     """The local tasks of a job, started together; one `run` per start of the job."""
 
-    def __init__(self, command, args, tasks, devices_per_worker, gpus_of, base_env, python, tee, logs,
+    def __init__(self, command, args, tasks, devices_per_worker, gpus_of, base_env, tee, logs,
                  grace, max_restarts, out, lock):
         self.command, self.args, self.tasks = command, args, tasks
         self.devices_per_worker, self.gpus_of, self.base_env = devices_per_worker, gpus_of, base_env
-        self.python, self.tee, self.logs, self.grace = python, tee, logs, grace
+        self.tee, self.logs, self.grace = tee, logs, grace
         self.max_restarts, self.out, self.lock = max_restarts, out, lock
         self.parameter_servers = any(job == "ps" for job, _ in tasks)
         self.chief = ("chief", 0) if self.parameter_servers else ("worker", 0)
