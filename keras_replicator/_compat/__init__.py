@@ -15,6 +15,7 @@ installed version is outside the range a module was checked on.
 | `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | permanent patch, ours only: no autotuning thread to join (issue 21) | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
+| `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
@@ -44,6 +45,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "tf_data": ("tensorflow", "2.16", "2.21"),
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
+    "keras_xla": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
@@ -81,9 +83,15 @@ def unchecked_versions() -> list[str]:
 
 def install() -> None:
     """Installs the permanent patches (idempotent); see the table above."""
-    from keras_replicator._compat import keras_checkpointing, keras_trainer, multi_device_iterator
+    from keras_replicator._compat import (
+        keras_checkpointing,
+        keras_trainer,
+        keras_xla,
+        multi_device_iterator,
+    )
 
     keras_trainer.install()
+    keras_xla.install()
     keras_checkpointing.install()
     # Per-replica input iterators without tf.data autotuning threads, whose join stalled
     # every new epoch by up to 20 s (issue 21).

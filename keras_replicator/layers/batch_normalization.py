@@ -457,6 +457,10 @@ class GlobalBatchNormalization(keras.layers.Layer):
             features axis; masked-out positions do not count in the statistics.
     """
 
+    # Its forward pass all-reduces: under jit_compile it runs outside XLA (the layers
+    # around it are compiled one by one; see keras_replicator._compat.keras_xla).
+    _keras_replicator_cross_replica_call = True
+
     def __init__(
         self,
         axis: int = -1,
