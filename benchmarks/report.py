@@ -470,6 +470,9 @@ def markdown(doc: dict[str, Any]) -> str:
             "are of medians.", ""]
 
     out += _gan_table(doc)
+    from benchmarks.xla_table import xla_table  # it reads this module's helpers
+
+    out += xla_table(doc)
     out += _window_table(doc)
     out += _bandwidth_table(doc)
 

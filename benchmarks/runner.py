@@ -113,6 +113,9 @@ class Config:
 _EXPECTED_SECONDS = {"memcopy": 1, "allreduce/2": 15, "allreduce/4": 19, "cnn/2": 36,
                      "cnn/4": 28, "resnet50/2": 66, "resnet50/4": 191, "batch_norm/4": 101,
                      "multiworker": 18, "input_pipeline": 20,
+                     # Not measured on a quiet machine: the xla group's five warm-ups
+                     # (4-replica tracing twice) on a loaded one.
+                     "xla/4": 120,
                      # Not from a quiet run: alone on a machine at load average 11-13 the
                      # group took 465 s, its three processes 127 CPU-seconds in all (the
                      # tracing of 4 replicas most of it); 90 s is that CPU time on 2 cores
@@ -207,6 +210,7 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
         # The CNN always; ResNet-50's 53 batch-norm layers alone with ResNet-50.
         for model in ["cnn_bn"] + (["resnet50_bn"] if "resnet50" in s.models else []):
             configs += batch_norm_pair(model, f"batch_norm/{k}")
+    configs += _xla_configs(s, k)
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
                 else {"warmup_steps": 5, "windows": 12, "window_steps": 5})
     for strategy in ("stock", "ours"):
@@ -218,6 +222,17 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
         configs.append(Config("input_pipeline", {},
                               {"kind": "input_pipeline", "quick": s.quick}, 1))
     return configs
+
+
+def _xla_configs(s: Settings, k: int) -> list[Config]:
+    """XLA (`jit_compile`) on and off, one device and `k` replicas, taking turns in one group;
+    stock `MirroredStrategy` with XLA beside them as it is (it fails: its error is the row)."""
+    sides = [("one", 1, False), ("one", 1, True), ("ours", k, False), ("ours", k, True),
+             ("stock", k, True)]
+    return [Config("xla", {"model": "cnn", "strategy": strategy, "devices": devices, "jit": jit},
+                   _train_spec("cnn", strategy, devices, s, jit_compile=jit), s.rounds,
+                   group=f"xla/{k}")
+            for strategy, devices, jit in sides]
 
 
 # --- running ------------------------------------------------------------------
@@ -524,7 +539,7 @@ def collect(configs: list[Config], settings: Settings, env: dict[str, Any],
                      "models": list(settings.models), "sizes_mb": list(settings.sizes_mb)},
         "environment": env,
     }
-    sections = ("training", "batch_norm", "allreduce", "steps_per_execution", "multiworker")
+    sections = ("training", "batch_norm", "allreduce", "steps_per_execution", "multiworker", "xla")
     for section in sections:
         doc[section] = [aggregate(c) for c in configs if c.section == section]
     mem = [c for c in configs if c.section == "memcopy"]
@@ -552,13 +567,18 @@ def collect(configs: list[Config], settings: Settings, env: dict[str, Any],
     # Stock failing to train a GAN is a finding (its row in the table says how it
     # fails), not a failure of the run.
     doc["failures"] = [{"config": c.name, "error": c.errors[0][-1500:]}
-                       for c in configs if c.errors and not _stock_gan(c)]
+                       for c in configs if c.errors and not _stock_gan(c) and not _stock_xla(c)]
     return doc
 
 
 def _stock_gan(config: Config) -> bool:
     return (config.section == "training" and config.key.get("strategy") == "stock"
             and config.key.get("model") in GAN_MODELS)
+
+
+def _stock_xla(config: Config) -> bool:
+    """Stock `MirroredStrategy` with `jit_compile=True`: its failure is the finding."""
+    return config.section == "xla" and config.key.get("strategy") == "stock"
 
 
 def _finite_positive(doc: dict[str, Any]) -> list[str]:
@@ -569,8 +589,8 @@ def _finite_positive(doc: dict[str, Any]) -> list[str]:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             bad.append(name)
 
-    for section in ("training", "batch_norm", "steps_per_execution", "multiworker"):
-        for e in doc[section]:
+    for section in ("training", "batch_norm", "steps_per_execution", "multiworker", "xla"):
+        for e in doc.get(section, []):
             if e.get("available"):
                 check(f"{section}:{e}", e["examples_per_second"])
     for e in doc["allreduce"] + [doc["memcopy"]]:

@@ -31,6 +31,7 @@ from keras_replicator.errors import (
 from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.saving import save_model
 from keras_replicator.strategy import ReplicatorStrategy
+from keras_replicator.xla import compile_layers, replica_jit
 
 # Sorted; the exceptions users catch most are also here (the rest are in `kr.errors`),
 # and `wrap_optimizer` is TF-Replicator's name for `CrossReplicaOptimizer`.
@@ -49,6 +50,7 @@ __all__ = [
     "broadcast",
     "callbacks",
     "cluster",
+    "compile_layers",
     "cross_device_ops",
     "data",
     "errors",
@@ -57,6 +59,7 @@ __all__ = [
     "num_replicas",
     "optimizers",
     "replica_id",
+    "replica_jit",
     "save_model",
     "schedules",
     "simulate_devices",

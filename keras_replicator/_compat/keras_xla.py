@@ -52,6 +52,7 @@ import warnings
 
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend.common import stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
@@ -129,6 +130,21 @@ _layer_lock = threading.Lock()
 _layer_depth: dict[int, int] = {}
 
 
+def _compiled_call(call):
+    """A layer's `call` compiled, except inside a `StatelessScope` (a wrapper such as
+    spectral normalization maps the layer's weights to tensors of the caller's graph,
+    which a cached compiled function must not capture)."""
+    compiled = replica_compiled(call)
+
+    @functools.wraps(call)
+    def dispatch(*args, **kwargs):
+        if stateless_scope.in_stateless_scope():
+            return call(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return dispatch
+
+
 def _leaf_layers(model) -> list:
     layers = []
     for layer in model._flatten_layers(include_self=False):
@@ -157,7 +173,7 @@ class layerwise:
                 if depth == 0:
                     for layer in _leaf_layers(model):
                         if "_keras_replicator_jit_call" not in vars(layer):
-                            layer._keras_replicator_jit_call = replica_compiled(layer.call)
+                            layer._keras_replicator_jit_call = _compiled_call(layer.call)
                         layer.call = layer._keras_replicator_jit_call
                 _layer_depth[id(model)] = depth + 1
         return self

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator import xla
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.applications.d4pg import losses, networks
 from keras_replicator.optimizers import CrossReplicaOptimizer
@@ -57,6 +58,9 @@ class D4PGLearner(keras.Model):
         learner.compile()
         ```
     """
+
+    # Under jit_compile its train_step compiles its own per-replica parts (replica_jit).
+    _keras_replicator_jit_aware = True
 
     def __init__(
         self,
@@ -186,8 +190,18 @@ class D4PGLearner(keras.Model):
         policy_grads = tape.gradient(policy_loss, self.policy.trainable_variables)
         return critic_loss, policy_loss, critic_grads, policy_grads
 
+    def _losses_and_gradients(self, data):
+        """`compute_losses`, compiled with XLA per replica under `jit_compile`."""
+        if not self.jit_compile:
+            return self.compute_losses(data)
+        if getattr(self, "_jit_losses", None) is None:
+            self._jit_losses = xla.replica_jit(self.compute_losses)
+        return self._jit_losses(data)
+
     def train_step(self, data):
-        critic_loss, policy_loss, critic_grads, policy_grads = self.compute_losses(data)
+        # Under jit_compile the losses and gradients are compiled per replica; the applies
+        # (all-reduces) and the target update (merge_call) stay outside XLA.
+        critic_loss, policy_loss, critic_grads, policy_grads = self._losses_and_gradients(data)
         self.critic_optimizer.apply(critic_grads, self.critic.trainable_variables)
         self.policy_optimizer.apply(policy_grads, self.policy.trainable_variables)
         self.updates.assign_add(1)
@@ -224,7 +238,7 @@ class D4PGLearner(keras.Model):
             strategy.extended.update(target.value, update, args=(online.value,), group=False)
 
     def test_step(self, data):
-        critic_loss, policy_loss, _, _ = self.compute_losses(data)
+        critic_loss, policy_loss, _, _ = self._losses_and_gradients(data)
         return {"critic_loss": critic_loss, "policy_loss": policy_loss}
 
     # --- state for resuming ---------------------------------------------------------------

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_replicator import collectives
+from keras_replicator import collectives, xla
 from keras_replicator._validation import check_int, check_number
 
 __all__ = ["SNGAN", "default_optimizer", "hinge_d_loss", "hinge_g_loss"]
@@ -104,6 +104,9 @@ class SNGAN(keras.Model):
         **kwargs: `keras.Model` arguments (`name`).
     """
 
+    # Under jit_compile its train_step compiles its own per-replica parts (replica_jit).
+    _keras_replicator_jit_aware = True
+
     def __init__(
         self,
         generator: keras.Model,
@@ -147,6 +150,7 @@ class SNGAN(keras.Model):
                 )
                 for i, w in enumerate(generator.trainable_weights)
             ]
+        self._jit_discriminator_gradients = None
         self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
         self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
         self.built = True
@@ -235,7 +239,31 @@ class SNGAN(keras.Model):
         start = collectives.replica_id() * local
         return z[start:start + local], labels[start:start + local]
 
+    def _discriminator_gradients(self, real, real_labels, fake, fake_labels, scale):
+        """One discriminator update's gradients and mean loss (compiled with XLA if asked)."""
+        local = tf.shape(real)[0]
+        d_vars = self.discriminator.trainable_variables
+        with tf.GradientTape() as tape:
+            logits = self.discriminator(
+                [tf.concat([real, tf.cast(fake, real.dtype)], 0),
+                 tf.concat([real_labels, fake_labels], 0)], training=True)
+            logits = tf.cast(logits, tf.float32)
+            per_example = hinge_d_loss(logits[:local], logits[local:])
+            d_loss = tf.reduce_sum(per_example) * scale
+        return tape.gradient(d_loss, d_vars), tf.reduce_mean(per_example)
+
     def train_step(self, data):
+        if not self.jit_compile:
+            return self._sngan_step(data, self._discriminator_gradients)
+        # XLA: the discriminator update's gradients compiled whole per replica; the
+        # generator's layers one by one (its batch norm all-reduces, outside XLA);
+        # the optimizers' applies outside XLA.
+        if self._jit_discriminator_gradients is None:
+            self._jit_discriminator_gradients = xla.replica_jit(self._discriminator_gradients)
+        with xla.compile_layers(self.generator, self.discriminator):
+            return self._sngan_step(data, self._jit_discriminator_gradients)
+
+    def _sngan_step(self, data, d_gradients):
         images, labels = data[0], data[1]
         labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
         tf.debugging.assert_non_negative(labels, message="SNGAN: a label is negative.")
@@ -255,20 +283,12 @@ class SNGAN(keras.Model):
         g_vars = self.generator.trainable_variables
         d_losses = []
         for i in range(self.n_dis):
-            real = images[i::self.n_dis]
-            real_labels = labels[i::self.n_dis]
             z, fake_labels = self._latents(global_batch, i)
             fake = tf.stop_gradient(self.generator([z, fake_labels], training=True))
-            with tf.GradientTape() as tape:
-                logits = self.discriminator(
-                    [tf.concat([real, tf.cast(fake, real.dtype)], 0),
-                     tf.concat([real_labels, fake_labels], 0)], training=True)
-                logits = tf.cast(logits, tf.float32)
-                per_example = hinge_d_loss(logits[:local], logits[local:])
-                d_loss = tf.reduce_sum(per_example) * scale
-            grads = tape.gradient(d_loss, d_vars)
+            grads, d_loss = d_gradients(
+                images[i::self.n_dis], labels[i::self.n_dis], fake, fake_labels, scale)
             self.d_optimizer.apply(grads, d_vars)
-            d_losses.append(tf.reduce_mean(per_example))
+            d_losses.append(d_loss)
 
         z, fake_labels = self._latents(global_batch, self.n_dis)
         with tf.GradientTape() as tape:
