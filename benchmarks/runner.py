@@ -644,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                              "sngan runs on the largest device count only")
     parser.add_argument("--sections", nargs="+", default=None, metavar="SECTION",
                         help="run only these sections of the plan, e.g. training (default all)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="per-process time limit (default 900; quick 300)")
     parser.add_argument("--replot", action="store_true",
                         help="only rebuild the table and plot from the existing JSON")
     args = parser.parse_args(argv)
@@ -660,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.for_mode(args.quick, args.rounds, args.resnet_rounds,
                                  tuple(args.devices) if args.devices else None,
                                  tuple(args.models) if args.models else None)
+    if args.timeout:
+        settings.timeout = args.timeout
     print(f"benchmarks ({'quick' if args.quick else 'full'} mode): environment ...", flush=True)
     env = run_worker({"kind": "env"}, settings.timeout)
     env.pop("wall_seconds", None)

@@ -15,6 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._compat import keras_xla
 from keras_replicator._validation import check_int
 
 _OPS = ("sum", "mean", "max", "min")
@@ -121,6 +122,7 @@ def all_reduce(x: Any, op: str = "sum", *, group_size: int | None = None) -> Any
         return x
     n = ctx.num_replicas_in_sync
     group_size = _check_group_size(group_size, n)
+    keras_xla.refuse_collective_in_compiled("kr.all_reduce")
     if group_size is None and op in ("sum", "mean"):
         return ctx.all_reduce(op.upper(), x)
     # max/min and grouped reductions: gather every replica's value, then reduce
@@ -161,6 +163,7 @@ def all_gather(x: Any, axis: int = 0) -> Any:
     ctx = _replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return x
+    keras_xla.refuse_collective_in_compiled("kr.all_gather")
     return ctx.all_gather(x, axis=axis)
 
 

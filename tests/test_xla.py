@@ -213,3 +213,25 @@ def test_two_workers_with_xla_equal_one_device(one_device, tmp_path):
             np.testing.assert_allclose(arrays["loss"], one_device[1], atol=1e-5)
             for j, w in enumerate(reference):
                 np.testing.assert_allclose(arrays[f"w{j}"], w, atol=1e-5)
+
+
+# --- the custom-loop primitives ----------------------------------------------------------------
+
+
+def test_replica_jit_in_a_custom_loop_and_collectives_refused_inside_it():
+    strategy = kr.ReplicatorStrategy()
+    doubled = kr.replica_jit(lambda x: 2.0 * x)
+    summed_inside = kr.replica_jit(lambda x: kr.all_reduce(2.0 * x))
+
+    def step(fn):
+        def replica_step():
+            x = tf.cast(kr.replica_id(), tf.float32) + tf.ones([3])
+            return kr.all_reduce(fn(x))  # the all-reduce outside the compiled function
+        run = tf.function(lambda: strategy.experimental_local_results(strategy.run(replica_step)))
+        return run()[0]
+
+    np.testing.assert_allclose(step(doubled).numpy(), [20.0] * 3)  # 2 * (1 + 2 + 3 + 4)
+    with pytest.raises(RuntimeError, match="kr.all_reduce inside an XLA-compiled replica"):
+        step(summed_inside)
+    with pytest.raises(kr.errors.ArgumentError, match="callable"):
+        kr.replica_jit(3)

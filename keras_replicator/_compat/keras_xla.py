@@ -97,6 +97,18 @@ def _patch_direct_assign() -> None:
     cls._direct_assign = _direct_assign
 
 
+def refuse_collective_in_compiled(name: str) -> None:
+    """Raises a clear error when a cross-replica primitive is traced inside `replica_compiled`."""
+    if getattr(_tracing, "deferred", None) is not None:
+        raise RuntimeError(
+            f"{name} inside an XLA-compiled replica function (kr.replica_jit, or the replica "
+            "step of jit_compile=True): XLA cannot run TensorFlow's collectives between "
+            "devices. Call it outside the compiled function (compile the parts before and "
+            "after it separately), or use kr.compile_layers for a model whose layers cross "
+            "replicas."
+        )
+
+
 def replica_compiled(fn):
     """`fn`, compiled with XLA in each replica, its aggregated variable writes made after it."""
     written: dict[int, list] = {}
