@@ -18,9 +18,10 @@ def _cell(entry: dict | None) -> str:
         return "not measured"
     if not entry.get("available"):
         reason = entry.get("error") or entry.get("reason") or "not available"
-        lines = [ln for ln in reason.splitlines() if ln.strip()]
-        # The exception's own line (the last), not the worker's exit status.
-        return "fails: `" + (lines[-1] if lines else reason)[:200].replace("|", "/") + "`"
+        lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+        # TensorFlow's message (the line that says what failed), not the node it names last.
+        said = [ln for ln in lines if not ln.startswith(("[[", "File ", "Cf. ", "Detected at"))]
+        return "fails: `" + (said[-1] if said else reason)[:200].replace("|", "/") + "`"
     return f"{report._fmt(entry['step_ms'], 1)} ms"
 
 

@@ -89,6 +89,7 @@ class D4PGLearner(keras.Model):
         self.target_critic = keras.models.clone_model(critic)
         self.target_policy.set_weights(policy.get_weights())
         self.target_critic.set_weights(critic.get_weights())
+        self._jit_losses = None  # compute_losses compiled per replica, made on first use
         self.updates = self.add_weight(
             shape=(), dtype="int64", initializer="zeros", trainable=False, name="updates",
             aggregation="only_first_replica",
@@ -194,7 +195,7 @@ class D4PGLearner(keras.Model):
         """`compute_losses`, compiled with XLA per replica under `jit_compile`."""
         if not self.jit_compile:
             return self.compute_losses(data)
-        if getattr(self, "_jit_losses", None) is None:
+        if self._jit_losses is None:
             self._jit_losses = xla.replica_jit(self.compute_losses)
         return self._jit_losses(data)
 
