@@ -235,3 +235,22 @@ def test_replica_jit_in_a_custom_loop_and_collectives_refused_inside_it():
         step(summed_inside)
     with pytest.raises(kr.errors.ArgumentError, match="callable"):
         kr.replica_jit(3)
+
+
+def test_auto_does_what_keras_does_for_one_device(monkeypatch):
+    def compiled(strategy, model_fn=conv_model):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = model_fn()
+            model.compile(optimizer="sgd", loss=LOSS)  # jit_compile="auto"
+        return model.jit_compile
+
+    # This machine has CPUs only: Keras leaves XLA off on one device, and so do we.
+    assert compiled(None) is False and compiled(kr.ReplicatorStrategy()) is False
+    # With a GPU, Keras turns XLA on for one device (and off under any tf.distribute
+    # strategy, stock included); ours turns it on as for one device.
+    physical = tf.config.list_physical_devices()
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda *a: physical + [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")])
+    assert compiled(None) is True
+    assert compiled(kr.ReplicatorStrategy()) is True
+    assert compiled(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])) is False
