@@ -68,6 +68,8 @@ class Settings:
     # Warm-ups cannot be cut, so a machine much slower than the one of
     # _EXPECTED_SECONDS can still overrun it.
     deadline_seconds: float = float("inf")
+    # Sections asked for by name (--sections): the quick run adds the XLA group only then.
+    sections: tuple[str, ...] = ()
 
     @classmethod
     def for_mode(cls, quick: bool, rounds: int | None = None, resnet_rounds: int | None = None,
@@ -210,7 +212,8 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
         # The CNN always; ResNet-50's 53 batch-norm layers alone with ResNet-50.
         for model in ["cnn_bn"] + (["resnet50_bn"] if "resnet50" in s.models else []):
             configs += batch_norm_pair(model, f"batch_norm/{k}")
-    configs += _xla_configs(s, k)
+    if not s.quick or "xla" in s.sections:
+        configs += _xla_configs(s, k)
     mw_steps = ({"warmup_steps": 3, "windows": 2, "window_steps": 4} if s.quick
                 else {"warmup_steps": 5, "windows": 12, "window_steps": 5})
     for strategy in ("stock", "ours"):
@@ -664,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                                  tuple(args.models) if args.models else None)
     if args.timeout:
         settings.timeout = args.timeout
+    settings.sections = tuple(args.sections or ())
     print(f"benchmarks ({'quick' if args.quick else 'full'} mode): environment ...", flush=True)
     env = run_worker({"kind": "env"}, settings.timeout)
     env.pop("wall_seconds", None)

@@ -418,3 +418,41 @@ def test_sngan_table_gives_step_times_and_says_how_stock_fails():
     collected = runner.collect([failed, crashed], settings, {}, 0.0, 1.0)
     assert [f["config"] for f in collected["failures"]] == [crashed.name]
     assert collected["training"][0]["error"] == error
+
+
+def test_xla_group_pairs_xla_on_and_off_and_shows_how_stock_fails():
+    """The full run has one XLA group on the largest device count: one device and ours with
+    `jit_compile` off and on, and stock with it on; the table pairs on/off, shows stock's
+    TensorFlow message, and stock's failure is not a failure of the run."""
+    from benchmarks import runner, xla_table
+
+    configs = [c for c in runner.plan(runner.Settings.for_mode(False), {}) if c.section == "xla"]
+    assert [(c.key["strategy"], c.key["devices"], c.key["jit"], c.spec["jit_compile"], c.group)
+            for c in configs] == [("one", 1, False, False, "xla/4"), ("one", 1, True, True, "xla/4"),
+                                  ("ours", 4, False, False, "xla/4"), ("ours", 4, True, True, "xla/4"),
+                                  ("stock", 4, True, True, "xla/4")]
+    assert not [c for c in runner.plan(runner.Settings.for_mode(True), {}) if c.section == "xla"]
+
+    def entry(strategy, devices, jit, ms):
+        samples = [1000.0 * 128 / x for x in ms]
+        return {"model": "cnn", "strategy": strategy, "devices": devices, "jit": jit,
+                "available": True, "group": "xla/4", "window_samples": [samples],
+                "examples_per_second": sorted(samples)[1], "step_ms": sorted(ms)[1]}
+
+    error = ("exit 1:\nTraceback (most recent call last):\n"
+             "Trying to access resource conv2d/kernel/replica_1/5 located in device CPU:1\n"
+             " Cf. https://www.tensorflow.org/xla/known_issues\n\t [[{{node StatefulPartitionedCall}}]]")
+    doc = {"xla": [entry("one", 1, False, [100.0, 100.0, 100.0]),
+                   entry("one", 1, True, [50.0, 50.0, 50.0]),
+                   entry("ours", 4, False, [200.0, 200.0, 200.0]),
+                   entry("ours", 4, True, [400.0, 400.0, 400.0]),
+                   {"model": "cnn", "strategy": "stock", "devices": 4, "jit": True,
+                    "available": False, "error": error}]}
+    table = "\n".join(xla_table.xla_table(doc))
+    assert "| one device | 1 CPU | 100.0 ms | 50.0 ms | **2.00x** |" in table
+    assert "| `ReplicatorStrategy` | 4 CPU | 200.0 ms | 400.0 ms | **0.50x** |" in table
+    assert ("| stock `MirroredStrategy` | 4 CPU | not measured | fails: `Trying to access resource "
+            "conv2d/kernel/replica_1/5 located in device CPU:1` | - |") in table
+    stock = runner.Config("xla", {"model": "cnn", "strategy": "stock", "devices": 4, "jit": True},
+                          {"global_batch": 128}, errors=[error])
+    assert runner.collect([stock], runner.Settings.for_mode(False), {}, 0.0, 1.0)["failures"] == []
