@@ -124,7 +124,9 @@ def replica_compiled(fn):
         written[0] = [variable for variable, _ in deferred]
         return outputs, [value for _, value in deferred]
 
-    compiled = tf.function(traced, jit_compile=True, reduce_retracing=True)
+    # No autograph (as Keras's own step functions): converting `traced` mixed up the closures
+    # of two instances (one learner's compiled function called another method of it).
+    compiled = tf.function(traced, jit_compile=True, reduce_retracing=True, autograph=False)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
