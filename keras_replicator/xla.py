@@ -29,7 +29,9 @@ def replica_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     `merge_call`, no optimizer `apply` (XLA cannot run TensorFlow's collectives
     between devices; tracing fails). Writes to variables aggregated across
     replicas (plain `BatchNormalization`'s moving statistics under
-    `ReplicatorStrategy`) are made after the compiled call, outside XLA.
+    `ReplicatorStrategy`) are made after the compiled call, outside XLA. `fn` is
+    traced without AutoGraph, as Keras's own steps are: use `tf.cond` and
+    `tf.while_loop` for control flow that depends on tensors.
 
     Example:
         ```python
