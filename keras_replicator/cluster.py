@@ -20,11 +20,11 @@ import tensorflow as tf
 
 from keras_replicator._compat.coordination import tensorflow_initialized
 from keras_replicator._validation import check_int
-from keras_replicator.jobset import jobset_cluster_dict
 from keras_replicator.errors import (
     ClusterConfigError,
     DeviceConfigurationError,
 )
+from keras_replicator.jobset import jobset_cluster_dict
 
 _T = TypeVar("_T")
 

@@ -18,8 +18,8 @@ What JobSet does not give a pod is the size of the other replicated jobs, nor
 the port: the manifest sets them as ``KERAS_REPLICATOR_JOBSET_JOBS``
 (e.g. ``chief=1,worker=4,ps=2``) and ``KERAS_REPLICATOR_JOBSET_PORT``.
 
-Nothing here imports TensorFlow (the command line that writes the manifest
-reads these names); `keras_replicator.cluster.jobset_cluster` builds the resolver.
+Nothing here imports TensorFlow until an error is raised (the command line that
+writes the manifest reads these names); `keras_replicator.cluster.jobset_cluster` builds the resolver.
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from keras_replicator.errors import ClusterConfigError
+
+def ClusterConfigError(message: str) -> ValueError:  # noqa: N802 (raised as the class it returns)
+    """A `keras_replicator.errors.ClusterConfigError`, imported only when one is raised.
+
+    ``errors`` imports TensorFlow, which the command line writing the manifest
+    must not start.
+    """
+    from keras_replicator.errors import ClusterConfigError as error
+
+    return error(message)
 
 # Read from the pod's labels through the downward API (see `pod_environment`).
 JOBSET_NAME_ENV = "JOBSET_NAME"
