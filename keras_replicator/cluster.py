@@ -25,6 +25,8 @@ from keras_replicator.errors import (
     DeviceConfigurationError,
 )
 from keras_replicator.jobset import jobset_cluster_dict
+from keras_replicator.launch.addresses import split_address
+from keras_replicator.launch.environment import DEVICES_PER_WORKER_ENV
 
 _T = TypeVar("_T")
 
@@ -112,9 +114,6 @@ def local_devices() -> list[str]:
 
 # --- Multi-worker: which cluster am I part of? -------------------------------
 
-# Set by ``keras-replicator launch --devices-per-worker K`` (see launch.py); read
-# when a ReplicatorStrategy is created.
-DEVICES_PER_WORKER_ENV = "KERAS_REPLICATOR_DEVICES_PER_WORKER"
 # Optional first port of a Slurm job's workers on each node (see slurm_cluster).
 SLURM_PORT_BASE_ENV = "KERAS_REPLICATOR_SLURM_PORT_BASE"
 # How many tasks of a Slurm job step are parameter servers (AsyncReplicatorStrategy).
@@ -124,7 +123,6 @@ SLURM_NUM_PS_ENV = "KERAS_REPLICATOR_SLURM_NUM_PS"
 # and in asynchronous parameter-server training (AsyncReplicatorStrategy).
 _TRAINING_JOBS = ("chief", "worker")
 _PS_JOBS = ("chief", "worker", "ps")
-_ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
 
 
 
@@ -132,11 +130,10 @@ _ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,
 
 
 def _check_address(address, where: str) -> str:
-    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
-        raise ClusterConfigError(f"{where}: {address!r} is not an address of the form host:port.")
-    port = int(_ADDRESS.fullmatch(address).group("port"))
-    if not 1 <= port <= 65535:
-        raise ClusterConfigError(f"{where}: port {port} of {address!r} is not in 1..65535.")
+    try:
+        split_address(address, where)
+    except ValueError as e:
+        raise ClusterConfigError(str(e)) from None
     return address
 
 

@@ -178,7 +178,7 @@ def test_free_ports_and_tf_config():
         "cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}
     with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 2), got 2")):
         tf_config(["a:1", "b:2"], 2)
-    with pytest.raises(ValueError, match="Worker address 'a' is not of the form host:port"):
+    with pytest.raises(ValueError, match="A worker's address must be host:port, got 'a'"):
         tf_config(["a"], 0)
     with pytest.raises(ValueError, match="n must be a positive integer"):
         free_ports(0)
@@ -576,7 +576,7 @@ def test_tf_config_of_a_parameter_server_cluster():
         tf_config(cluster, 0, "evaluator")
     with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 1), got 1")):
         tf_config(cluster, 1, "ps")
-    with pytest.raises(ValueError, match="The ps task's address 'h' is not of the form host:port"):
+    with pytest.raises(ValueError, match="The ps task's address must be host:port, got 'h'"):
         tf_config({"worker": ["h:1"], "ps": ["h"]}, 0)
 
 
