@@ -23,7 +23,13 @@ from keras_replicator import cluster, jobset
 from keras_replicator.__main__ import main
 from keras_replicator.launch import free_ports, k8s_manifest
 from keras_replicator.launch.kubernetes import KubernetesJob, manifests
-from tests.helpers import LAUNCHED_JOB_BATCH, LAUNCHED_JOB_EXAMPLES, ROOT, dense_model, regression_data
+from tests.helpers import (
+    LAUNCHED_JOB_BATCH,
+    LAUNCHED_JOB_EXAMPLES,
+    ROOT,
+    dense_model,
+    regression_data,
+)
 
 pytestmark = pytest.mark.devices(1)
 
