@@ -181,6 +181,25 @@ def test_bad_arguments_are_refused_before_printing(args, message, capsys):
     assert message in captured.err and captured.out == ""
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workers": 0}, "workers must be a positive integer"),
+        ({"name": "-job"}, "name must be a Kubernetes name"),
+        ({"name": "x" * 64}, "name must be a Kubernetes name"),
+        ({"gpus_per_worker": -1}, "gpus_per_worker must be a non-negative integer"),
+        ({"ps": -1}, "ps must be a non-negative integer"),
+        ({"max_restarts": 1.5}, "max_restarts must be a non-negative integer"),
+        ({"kind": "tfjob", "restart_policy": "Sometimes"}, "restart_policy must be one of"),
+        ({"kind": "TFJob"}, "kind must be one of ('jobset', 'tfjob', 'trainjob')"),
+        ({"python": " "}, "python must be the interpreter command"),
+    ],
+)
+def test_bad_arguments_from_python(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        k8s_manifest("t.py", **{"workers": 2, "image": "img:1", **kwargs})
+
+
 # --- TFJob and TrainJob --------------------------------------------------------------------------
 
 
