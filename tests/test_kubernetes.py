@@ -29,6 +29,7 @@ from tests.helpers import (
     ROOT,
     dense_model,
     regression_data,
+    run_markdown_example,
 )
 
 pytestmark = pytest.mark.devices(1)
@@ -395,3 +396,25 @@ def test_two_jobset_pods_on_127_0_0_1_train(tmp_path):
     for a, b, want in zip(reports[0]["weights"], reports[1]["weights"], reference.get_weights()):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, want, atol=2e-5, rtol=1e-4)
+
+
+# --- The guide (docs/kubernetes.md) runs as written ----------------------------------------------
+
+
+def test_the_guides_commands_print_valid_manifests(capsys):
+    with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
+        text = f.read()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.startswith("keras-replicator k8s"):
+                commands.append(command.split(">")[0].split()[1:])
+    assert len(commands) == 4
+    for argv in commands:
+        assert main(argv) == 0
+        documents = list(yaml.safe_load_all(capsys.readouterr().out))
+        if documents[0]["kind"] == "JobSet":
+            check_jobset(documents[0])
+    result = run_markdown_example("docs/kubernetes.md", 0)
+    assert result.stdout.splitlines() == [
+        "{'worker': ['resnet50-worker-0-0.resnet50:2222', 'resnet50-worker-1-0.resnet50:2222']}", "worker 1"]

@@ -217,9 +217,10 @@ def _jobset_spec(job: KubernetesJob, env: list[dict[str, Any]], container_name: 
     replicated_jobs = []
     for replicated in job.replicated_jobs():
         container = _container(job, container_name, replicated.task_type != "ps", env)
-        template: dict[str, Any] = {"spec": _job_template(job, replicated, container)}
+        template: dict[str, Any] = {}
         if job.kind == "trainjob":
             template["metadata"] = {"labels": {_TRAINER_ANCESTOR_LABEL: "trainer"}}
+        template["spec"] = _job_template(job, replicated, container)
         replicated_jobs.append({"name": replicated.name, "replicas": replicated.jobs, "template": template})
     success = {"operator": "All"}
     if job.ps:  # workers and parameter servers serve until the chief is done
