@@ -49,6 +49,12 @@ class CountingModel(keras.Sequential):
     def count_steps(self, num_workers: int) -> None:
         self.steps_by_worker = keras.Variable(np.zeros(num_workers, "float32"), trainable=False)
 
+    def load_own_variables(self, store):
+        """Loading a saved model: the counter is created first, with the saved shape."""
+        if len(store.keys()) and not hasattr(self, "steps_by_worker"):
+            self.count_steps(store["0"].shape[0])
+        super().load_own_variables(store)
+
     def train_step(self, data):
         logs = super().train_step(data)
         if hasattr(self, "steps_by_worker"):
