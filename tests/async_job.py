@@ -250,12 +250,12 @@ def faults_mode(strategy, out: str) -> dict:
 
 
 def die_at_hold(out: str) -> None:
-    """On the worker named by ``KR_TEST_DIE_WORKER`` (first start only): SIGKILLs itself when
-    the chief holds, after creating the release file (the chief goes on while it dies)."""
-    config = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-    chosen = os.environ.get("KR_TEST_DIE_WORKER")
+    """On the task named by ``KR_TEST_DIE_TASK`` (``"worker 1"``, ``"ps 0"``, ``"chief 0"``; first
+    start only): SIGKILLs itself when the chief holds, after creating the release file (the
+    chief goes on while it dies)."""
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
     first_start = os.environ.get("KERAS_REPLICATOR_RESTART_COUNT", "0") == "0"
-    if chosen is None or config != {"type": "worker", "index": int(chosen)} or not first_start:
+    if os.environ.get("KR_TEST_DIE_TASK") != f"{task.get('type')} {task.get('index')}" or not first_start:
         return
 
     def wait_and_die() -> None:

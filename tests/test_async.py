@@ -278,7 +278,7 @@ def test_a_dead_worker_does_not_end_a_launched_job(tmp_path, max_restarts):
     out = tmp_path / "out"
     out.mkdir()
     epochs, steps_per_epoch = 3, 40  # steps_per_epoch: async_job.faults_mode's
-    env = _env(KR_TEST_DIE_WORKER="1", KR_TEST_EPOCHS=str(epochs), KR_TEST_HOLD_AT_EPOCH="0",
+    env = _env(KR_TEST_DIE_TASK="worker 1", KR_TEST_EPOCHS=str(epochs), KR_TEST_HOLD_AT_EPOCH="0",
                KR_TEST_SLEEP_PER_BATCH="0.02")
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--ps", "1",
                "--max-restarts", str(max_restarts), "--timeout", "300", JOB, "faults", str(out)]
