@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from keras_replicator.launch import config as launch_config
 
 _Number = TypeVar("_Number", int, float)
 
@@ -80,32 +83,47 @@ def _add_job_arguments(
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def _launch(args: argparse.Namespace) -> int:
-    from keras_replicator import launch  # no TensorFlow: the launcher starts at once
+def config_from_args(args: argparse.Namespace) -> launch_config.LaunchConfig:
+    """The `LaunchConfig` of ``keras-replicator launch``'s parsed arguments (checked there).
+
+    Example:
+        ```python
+        args = build_parser().parse_args(["launch", "--workers", "2", "train.py"])
+        config_from_args(args).workers   # 2
+        ```
+    """
+    from keras_replicator.launch import LaunchConfig  # no TensorFlow: the launcher starts at once
 
     gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g.strip()]
+    return LaunchConfig(
+        args.script,
+        args.args,
+        workers=args.workers,
+        devices_per_worker=args.devices_per_worker,
+        host=args.host,
+        hosts=args.hosts,
+        node_rank=args.node_rank,
+        port=args.port,
+        nnodes=args.nnodes,
+        master=args.master,
+        rendezvous_timeout=args.rendezvous_timeout,
+        max_restarts=args.max_restarts,
+        ps=args.ps,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        gpus=gpus,
+        grace=args.grace,
+        timeout=args.timeout,
+        module=args.module,
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from keras_replicator.launch import launch
+
+    config = config_from_args(args)
     try:
-        return launch.launch(
-            args.script,
-            args.args,
-            workers=args.workers,
-            devices_per_worker=args.devices_per_worker,
-            host=args.host,
-            hosts=args.hosts,
-            node_rank=args.node_rank,
-            port=args.port,
-            nnodes=args.nnodes,
-            master=args.master,
-            rendezvous_timeout=args.rendezvous_timeout,
-            max_restarts=args.max_restarts,
-            ps=args.ps,
-            log_dir=args.log_dir,
-            tee=args.tee,
-            gpus=gpus,
-            grace=args.grace,
-            timeout=args.timeout,
-            module=args.module,
-        )
+        return launch(config)
     except TimeoutError as e:  # the rendezvous of --nnodes did not complete
         sys.stderr.write(f"keras-replicator launch: {e}\n")
         return 1

@@ -524,8 +524,10 @@ PS_TASK = """
         sys.exit(4)  # dies once
     if job == "chief":
         deadline = time.monotonic() + 60
-        while not glob.glob(os.path.join(here, "worker1-1-*")) and time.monotonic() < deadline:
+        while not glob.glob(os.path.join(here, os.environ.get("CHIEF_WAITS_FOR", "worker1-1-*"))) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
+        time.sleep(float(os.environ.get("CHIEF_THEN_SLEEPS", "0")))
         print("chief done")
         sys.exit(0)
     time.sleep(120)  # workers and ps tasks serve until they are stopped
@@ -555,18 +557,32 @@ def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["chief_0.log", "ps_0.log", "worker_0.log", "worker_1.log"]
     for pid in (int(name.rsplit("-", 1)[1]) for name in os.listdir(here)):
         assert not _alive(pid)
-    # Without restarts left, the worker's failure ends the job.
+    # Without restarts left, the job goes on without the worker: the chief finishes it.
     (here2 := tmp_path / "again").mkdir()
     out = io.StringIO()
-    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1,
-                  grace=1, output=out) == 4
-    assert "[launcher] worker 1 exited with code 4; stopping the others" in out.getvalue()
+    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1, grace=1,
+                  output=out, env={"CHIEF_WAITS_FOR": "worker1-0-*", "CHIEF_THEN_SLEEPS": "2"}) == 0
+    text = out.getvalue()
+    assert ("[launcher] worker 1 exited with code 4; the job goes on without it (the chief runs its "
+            "steps on the other workers)") in text
+    assert text.index("the job goes on without it") < text.index("[chief 0] chief done")
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in text
+    # Unless it was the last worker: nothing would run the chief's steps.
+    every_worker_fails = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == " \
+                         "'worker':\n    time.sleep(0.5 * int(os.environ['KERAS_REPLICATOR_WORKER_INDEX']))\n" \
+                         "    sys.exit(5)\ntime.sleep(120)\n"
+    out = io.StringIO()
+    assert launch(script(tmp_path, every_worker_fails, "ps4.py"), workers=2, ps=1, grace=1, output=out) == 5
+    assert "[launcher] worker 0 exited with code 5; the job goes on without it" in out.getvalue()
+    assert ("[launcher] worker 1 exited with code 5; stopping the others (no worker is left)"
+            in out.getvalue())
     # A failed ps task ends the job: no restart, whatever max_restarts says.
     failing_ps = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == 'ps':\n" \
                  "    sys.exit(6)\ntime.sleep(120)\n"
     out = io.StringIO()
     assert launch(script(tmp_path, failing_ps, "ps3.py"), workers=1, ps=1, max_restarts=2, grace=1, output=out) == 6
-    assert "[launcher] ps 0 exited with code 6; stopping the others" in out.getvalue()
+    assert ("[launcher] ps 0 exited with code 6; stopping the others (a parameter-server job cannot go "
+            "on without a parameter server: its variables are lost)") in out.getvalue()
     assert "restart" not in out.getvalue()
     with pytest.raises(ValueError, match="ps= runs a parameter-server job on one machine"):
         launch(script(tmp_path, "print(1)\n"), hosts="a:1", ps=1)

@@ -41,6 +41,7 @@ from keras_replicator.launch.addresses import (
     tf_config,
 )
 from keras_replicator.launch.api import launch
+from keras_replicator.launch.config import LaunchConfig
 from keras_replicator.launch.environment import (
     DEVICES_PER_WORKER_ENV,
     RESTART_COUNT_ENV,
@@ -49,8 +50,11 @@ from keras_replicator.launch.environment import (
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment  # noqa: F401 (private: tests)
 from keras_replicator.launch.kubernetes import k8s_manifest
 from keras_replicator.launch.rendezvous import rendezvous
+from keras_replicator.launch.supervisor import RestartPolicy
 
 __all__ = [
+    "LaunchConfig",
+    "RestartPolicy",
     "DEVICES_PER_WORKER_ENV",
     "RESTART_COUNT_ENV",
     "WORKER_INDEX_ENV",

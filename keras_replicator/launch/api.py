@@ -1,30 +1,29 @@
-"""`launch`: the entry point that runs one node's share of a multi-worker job."""
+"""`launch`: runs one node's share of a multi-worker job, from a `LaunchConfig` or its arguments.
+
+The model is torch's ``launcher/api.py``: the config says what to run, this
+module works out the cluster (free ports, a static host list or a rendezvous)
+and the GPUs, and the `Supervisor` runs the processes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from keras_replicator._validation import check_choice, check_int, check_number
-from keras_replicator.launch.addresses import (
-    cluster_addresses,
-    format_address,
-    free_ports,
-    parse_hosts,
-    split_address,
-)
-from keras_replicator.launch.config import _check_module, _check_module_name
+from keras_replicator.launch.addresses import cluster_addresses, format_address, free_ports
+from keras_replicator.launch.config import LaunchConfig
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment
 from keras_replicator.launch.rendezvous import rendezvous
-from keras_replicator.launch.supervisor import _Job, _say, _Signals
+from keras_replicator.launch.supervisor import Console, RestartPolicy, Supervisor, Task, WorkerSpec
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig) if f.name != "script"}
 
 
 def launch(
-    script: str,
+    script: str | LaunchConfig,
     args: Sequence[str] = (),
     *,
     workers: int | None = None,
@@ -67,10 +66,14 @@ def launch(
     forwarded to every worker; the launcher waits for them (SIGKILL after
     ``grace`` seconds, or at once on a second signal) and never exits before them.
 
+    ``script`` may also be a `LaunchConfig` (then no other argument but
+    ``output``): the arguments below are its fields.
+
     Example:
         ```python
-        from keras_replicator.launch import launch
+        from keras_replicator.launch import LaunchConfig, launch
         code = launch("train.py", ["--epochs", "2"], workers=2, devices_per_worker=2)
+        code = launch(LaunchConfig("train.py", ["--epochs", "2"], workers=2, devices_per_worker=2))
         # a module, as `python -m`:
         code = launch("keras_replicator.applications.sngan", ["--dataset", "digits", "--out", "run"],
                       module=True, workers=2, devices_per_worker=2)
@@ -102,7 +105,9 @@ def launch(
         max_restarts: how many times a failed job is restarted. In a
             parameter-server job (``ps``), how many times each failed worker is
             restarted alone instead (as Kubernetes' ``restartPolicy: OnFailure``);
-            a failed chief or ps task ends that job.
+            after that the job goes on without it (the chief runs its steps on
+            the other workers). A failed chief or ps task ends that job (see
+            `RestartPolicy`).
         ps: parameter-server tasks: with ``ps=M``, the job is one ``chief`` (the
             coordinator), ``workers`` workers and ``M`` ps tasks on this machine,
             each with its ``TF_CONFIG``; it ends when the chief exits (the others
@@ -127,113 +132,64 @@ def launch(
         attempt's first failure (128 + N for a worker killed by signal N),
         128 + N when the launcher was stopped by signal N, or 124 on timeout.
     """
-    if module:
-        if python == sys.executable:  # another interpreter has its own modules: not checked
-            _check_module(script, dict(os.environ, **(env or {})).get("PYTHONPATH", ""))
-        else:
-            _check_module_name(script)
-    elif not isinstance(script, str) or not script:
-        raise ValueError(f"script must be a path to a Python file, got {script!r}.")
-    elif not os.path.isfile(script):
-        raise FileNotFoundError(f"Script {script!r} does not exist.")
-    args = list(args)
-    if not all(isinstance(a, str) for a in args):
-        raise TypeError(f"args must be strings, got {args!r}.")
-    check_int("devices_per_worker", devices_per_worker, minimum=1, optional=True)
-    if not isinstance(host, str) or not host or any(c.isspace() for c in host):
-        raise ValueError(f"host must be an address such as '127.0.0.1', got {host!r}.")
-    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
-    check_choice("tee", tee, ("all", "chief", "none"))
-    grace = check_number("grace", grace, non_negative=True)
-    timeout = check_number("timeout", timeout, positive=True, optional=True)
-    if log_dir is not None and (not isinstance(log_dir, str) or not log_dir):
-        raise ValueError(f"log_dir must be a directory path, got {log_dir!r}.")
-    ps = check_int("ps", ps, minimum=0)
-    if nnodes is not None:  # nodes that find each other through node 0 (torchrun's style)
-        nnodes = check_int("nnodes", nnodes, minimum=1)
-        if hosts is not None or ps:
-            raise ValueError("nnodes= (with master=) replaces hosts=, and does not take ps=.")
-        if workers is None or master is None:
-            raise ValueError("nnodes= needs workers= (per node) and master='host:port' (node 0's address).")
-        check_int("workers", workers, minimum=1)
-        split_address(master, "master")
-        if node_rank is None:
-            raise ValueError(f"nnodes={nnodes}: give node_rank (--node-rank), 0 .. {nnodes - 1}.")
-        node_rank = check_int("node_rank", node_rank, minimum=0, maximum=nnodes - 1)
-        check_number("rendezvous_timeout", rendezvous_timeout, positive=True)
-        mine = [format_address(host, p) for p in free_ports(workers, host)]
-        table = rendezvous(master, nnodes, node_rank, mine, rendezvous_timeout)
-        fixed = {"worker": [a for node in table for a in node]}
-        first = sum(len(node) for node in table[:node_rank])
-        tasks = [("worker", i) for i in range(first, first + workers)]
-    elif master is not None:
-        raise ValueError("master= goes with nnodes= (the number of nodes).")
-    elif hosts is None:
-        if workers is None:
-            raise ValueError("Give workers=N (one machine) or hosts='h1:2,h2:2' (several).")
-        check_int("workers", workers, minimum=1)
-        if node_rank not in (None, 0):
-            raise ValueError(f"node_rank={node_rank!r} needs hosts= or nnodes= (the nodes of the job).")
-        if ps:  # a parameter-server job: one chief (the coordinator), the workers, the ps tasks
-            tasks = [("chief", 0), *(("worker", i) for i in range(workers)), *(("ps", j) for j in range(ps))]
-        else:
-            tasks = [("worker", i) for i in range(workers)]
-        fixed = None  # free ports, chosen again at every start
+    options = {name: value for name, value in locals().items() if name not in ("script", "output")}
+    if isinstance(script, LaunchConfig):
+        given = sorted(name for name, value in options.items() if value is not _DEFAULTS[name]
+                       and value != _DEFAULTS[name])
+        if given:
+            raise ValueError(f"launch(config) takes no other argument but output=, got {given}.")
+        config = script
     else:
-        if workers is not None:
-            raise ValueError("Give either workers= (one machine) or hosts= (several), not both.")
-        if ps:
-            raise ValueError("ps= runs a parameter-server job on one machine; use workers=, not hosts=.")
-        nodes = parse_hosts(hosts)
-        if node_rank is None and len(nodes) > 1:
-            raise ValueError(
-                f"hosts names {len(nodes)} nodes: give node_rank (--node-rank), this machine's "
-                f"position in it, 0 .. {len(nodes) - 1}."
-            )
-        node_rank = check_int("node_rank", node_rank or 0, minimum=0, maximum=len(nodes) - 1)
-        fixed = {"worker": cluster_addresses(nodes, port)}
-        first = sum(count for _, count in nodes[:node_rank])
-        tasks = [("worker", i) for i in range(first, first + nodes[node_rank][1])]
-    base_env = dict(os.environ, **(env or {}))
-    gpu_list = _detect_gpus(base_env) if gpus is None else [str(g) for g in gpus]
-    out = output if output is not None else sys.stdout
-    lock = threading.Lock()
-    computing = [t for t in tasks if t[0] != "ps"]  # the GPUs go to the tasks that compute
-    visible = gpu_assignment(gpu_list, len(computing))
-    if gpu_list and visible is None:
-        _say(out, lock, f"{len(computing)} local workers but {len(gpu_list)} GPU(s): they share them "
-                        "(CUDA_VISIBLE_DEVICES left as it is)")
-    gpus_of = {} if visible is None else dict(zip(computing, visible))
-    logs: dict[tuple[str, int], TextIO] = {}
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
-        logs = {t: open(os.path.join(log_dir, f"{t[0]}_{t[1]}.log"), "w") for t in tasks}
+        config = LaunchConfig(script, **options)
+    console = Console(output if output is not None else sys.stdout)
+    tasks, cluster = _plan(config)
+    spec_env = dict(os.environ, **config.env)
+    gpus_of = _assign_gpus(_detect_gpus(spec_env) if config.gpus is None else list(config.gpus), tasks, console)
+    logs: dict[Task, TextIO] = {}
+    if config.log_dir is not None:
+        os.makedirs(config.log_dir, exist_ok=True)
+        logs = {t: open(os.path.join(config.log_dir, f"{t[0]}_{t[1]}.log"), "w") for t in tasks}
+    try:
+        spec = WorkerSpec(config.command, spec_env, config.devices_per_worker, gpus_of, config.tee, logs)
+        policy = RestartPolicy(config.max_restarts, parameter_servers=config.ps > 0)
+        return Supervisor(spec, tasks, policy, console, config.grace, config.timeout).run(cluster)
+    finally:
+        for f in logs.values():
+            f.close()
 
-    def cluster() -> dict[str, list[str]]:
-        if fixed is not None:
-            return fixed
-        addresses = iter(format_address(host, p) for p in free_ports(len(tasks), host))
+
+def _plan(config: LaunchConfig) -> tuple[list[Task], Callable[[], dict[str, list[str]]]]:
+    """This node's tasks, and the cluster of each start of the job."""
+    if config.mode == "nnodes":
+        mine = [format_address(config.host, p) for p in free_ports(config.workers, config.host)]
+        table = rendezvous(config.master, config.nnodes, config.node_rank, mine, config.rendezvous_timeout)
+        fixed = {"worker": [a for node in table for a in node]}
+        first = sum(len(node) for node in table[: config.node_rank])
+        return [("worker", i) for i in range(first, first + config.workers)], lambda: fixed
+    if config.mode == "hosts":
+        fixed = {"worker": cluster_addresses(config.hosts, config.port)}
+        first = sum(count for _, count in config.hosts[: config.node_rank])
+        count = config.hosts[config.node_rank][1]
+        return [("worker", i) for i in range(first, first + count)], lambda: fixed
+    tasks: list[Task] = [("worker", i) for i in range(config.workers)]
+    if config.ps:  # a parameter-server job: one chief (the coordinator), the workers, the ps tasks
+        tasks = [("chief", 0), *tasks, *(("ps", j) for j in range(config.ps))]
+
+    def free_cluster() -> dict[str, list[str]]:  # free ports, chosen again at every start
+        addresses = iter(format_address(config.host, p) for p in free_ports(len(tasks), config.host))
         jobs: dict[str, list[str]] = {}
         for job, _ in tasks:
             jobs.setdefault(job, []).append(next(addresses))
         return jobs
 
-    command = [python, "-m", script] if module else [python, script]
-    job = _Job(command, args, tasks, devices_per_worker, gpus_of, base_env, tee, logs, grace,
-               max_restarts, out, lock)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        with _Signals() as signals:
-            for attempt in range(max_restarts + 1):
-                if attempt:
-                    _say(out, lock, f"restarting every worker (restart {attempt} of {max_restarts})")
-                    for f in logs.values():
-                        f.write(f"[launcher] restart {attempt} of {max_restarts}\n")
-                result, retry = job.run(cluster(), attempt, deadline, timeout, signals)
-                if not retry:
-                    return result
-            return result
-    finally:
-        for f in logs.values():
-            f.close()
+    return tasks, free_cluster
 
+
+def _assign_gpus(gpus: list[str], tasks: list[Task], console: Console) -> dict[Task, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the local tasks that compute (not the ps tasks), if the GPUs go round."""
+    computing = [t for t in tasks if t[0] != "ps"]
+    visible = gpu_assignment(gpus, len(computing))
+    if gpus and visible is None:
+        console.say(f"{len(computing)} local workers but {len(gpus)} GPU(s): they share them "
+                    "(CUDA_VISIBLE_DEVICES left as it is)")
+    return {} if visible is None else dict(zip(computing, visible))
