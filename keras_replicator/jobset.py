@@ -63,7 +63,8 @@ POD_LABELS = {
     REPLICATED_JOB_NAME_ENV: "jobset.sigs.k8s.io/replicatedjob-name",
     JOB_INDEX_ENV: "jobset.sigs.k8s.io/job-index",
 }
-_TRIGGERS = (JOBS_ENV, JOBSET_NAME_ENV, REPLICATED_JOB_NAME_ENV, JOB_INDEX_ENV)
+# Any of these says "a JobSet pod" (JOB_INDEX alone is too common a name to say so).
+_TRIGGERS = (JOBS_ENV, JOBSET_NAME_ENV, REPLICATED_JOB_NAME_ENV)
 _TASK_TYPES = ("chief", "worker", "ps")
 _ENTRY = re.compile(r"(?P<type>[a-z]+)=(?:(?P<rjob>[a-z0-9]([-a-z0-9]*[a-z0-9])?):)?"
                     r"(?P<jobs>\d+)(?:x(?P<pods>\d+))?")
@@ -192,7 +193,7 @@ def jobset_cluster_dict(environ: Mapping[str, str] | None = None) -> tuple[dict[
     present = [v for v in _TRIGGERS if env.get(v, "").strip()]
     if not present:
         return None
-    needed = (*_TRIGGERS, JOB_COMPLETION_INDEX_ENV, PORT_ENV)
+    needed = (*_TRIGGERS, JOB_INDEX_ENV, JOB_COMPLETION_INDEX_ENV, PORT_ENV)
     missing = [v for v in needed if not env.get(v, "").strip()]
     if missing:
         raise ClusterConfigError(

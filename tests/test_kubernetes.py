@@ -301,7 +301,7 @@ def test_jobset_pods_resolve_to_their_task():
     assert (task_type, index) == ("worker", 3)
     # A JobSet of one worker is one machine; no JobSet, no cluster.
     assert cluster.jobset_cluster(pod("worker", 0, jobs="worker=1")) is None
-    assert cluster.jobset_cluster({"JOB_COMPLETION_INDEX": "3", "PATH": "/bin"}) is None
+    assert cluster.jobset_cluster({"JOB_COMPLETION_INDEX": "3", "JOB_INDEX": "1", "PATH": "/bin"}) is None
 
 
 def test_tf_config_wins_over_a_jobset_and_a_jobset_over_slurm(monkeypatch):
