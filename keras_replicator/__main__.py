@@ -88,8 +88,8 @@ def config_from_args(args: argparse.Namespace) -> launch_config.LaunchConfig:
 
     Example:
         ```python
-        args = build_parser().parse_args(["launch", "--workers", "2", "train.py"])
-        config_from_args(args).workers   # 2
+        args = build_parser().parse_args(["launch", "--workers", "2", "-m", "json.tool"])
+        config_from_args(args).command   # [sys.executable, '-m', 'json.tool']
         ```
     """
     from keras_replicator.launch import LaunchConfig  # no TensorFlow: the launcher starts at once

@@ -5,6 +5,7 @@ The manifests of ``keras-replicator k8s`` are tested in test_kubernetes.py.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -22,16 +23,21 @@ import yaml
 from keras_replicator import cluster
 from keras_replicator.__main__ import main
 from keras_replicator.launch import (
+    LaunchConfig,
+    RestartPolicy,
     _detect_gpus,
     cluster_addresses,
+    format_address,
     free_ports,
     gpu_assignment,
     k8s_manifest,
     launch,
     parse_hosts,
     rendezvous,
+    split_address,
     tf_config,
 )
+from keras_replicator.launch.supervisor import Action
 from tests.helpers import ROOT
 
 
@@ -633,3 +639,56 @@ def test_the_command_line_imports_no_tensorflow(tmp_path, command):
              "print('tensorflow' in sys.modules, sorted(kr.__all__) == sorted(set(dir(kr)) & set(kr.__all__)))"],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
+
+
+def test_launch_config_is_checked_once_and_drives_launch(tmp_path):
+    path = script(tmp_path, REPORT)
+    config = LaunchConfig(path, ["--lr", "0.1"], workers=2, hosts=None, gpus=[3], env={"A": "1"})
+    assert (config.mode, config.args, config.node_rank, config.gpus, config.env) == (
+        "workers", ("--lr", "0.1"), 0, ("3",), {"A": "1"})
+    assert config.command == [sys.executable, path, "--lr", "0.1"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.workers = 3
+    assert LaunchConfig(path, hosts="h1:2,h2:1", node_rank=1).hosts == (("h1", 2), ("h2", 1))
+    assert LaunchConfig(path, nnodes=2, workers=1, master="h:1", node_rank=1).mode == "nnodes"
+    with pytest.raises(ValueError, match="master= goes with nnodes="):
+        LaunchConfig(path, workers=1, master="h:1")
+    with pytest.raises(TypeError, match="args must be strings"):
+        LaunchConfig(path, "--lr 0.1", workers=1)  # a string, not a list of them
+    # launch(config) runs it as launch(...) would; other arguments beside a config are refused.
+    out = io.StringIO()
+    assert launch(LaunchConfig(path, ["--lr", "0.1"], workers=2, gpus=[]), output=out) == 0
+    assert lines_of(out.getvalue(), 1)[0] == "index 1 args ['--lr', '0.1']"
+    with pytest.raises(ValueError, match=re.escape("launch(config) takes no other argument but output=, "
+                                                   "got ['max_restarts', 'workers']")):
+        launch(config, workers=3, max_restarts=1)
+    # The command line builds the same config.
+    from keras_replicator.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["launch", "--workers", "2", "--gpus", "", "--max-restarts", "1",
+                                      path, "--lr", "0.1"])
+    assert config_from_args(args) == LaunchConfig(path, ["--lr", "0.1"], workers=2, gpus=[], max_restarts=1)
+
+
+def test_restart_policy():
+    sync = RestartPolicy(max_restarts=1)
+    assert sync.after_failure(("worker", 1), task_restarts=0, job_restarts=0) is Action.RESTART_JOB
+    assert sync.after_failure(("worker", 1), task_restarts=0, job_restarts=1) is Action.END
+    ps = RestartPolicy(max_restarts=1, parameter_servers=True)
+    assert ps.after_failure(("worker", 1), task_restarts=0, job_restarts=0) is Action.RESTART_TASK
+    assert ps.after_failure(("worker", 1), task_restarts=1, job_restarts=0) is Action.GO_ON
+    assert RestartPolicy(parameter_servers=True).after_failure(("worker", 0), 0, 0) is Action.GO_ON
+    for task in (("chief", 0), ("ps", 0)):
+        assert ps.after_failure(task, task_restarts=0, job_restarts=0) is Action.END
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
+
+
+def test_one_address_parser():
+    assert split_address("10.0.0.1:2222") == ("10.0.0.1", 2222)
+    assert split_address("[::1]:2222") == ("::1", 2222) and format_address("::1", 2222) == "[::1]:2222"
+    assert split_address(format_address("node-1.example", 80)) == ("node-1.example", 80)
+    for bad, message in (("h", "master must be host:port, got 'h'"), ("h:0", "master: port 0 of 'h:0' is not in"),
+                         ("h/x:1", "master must be host:port"), (None, "master must be host:port, got None")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            split_address(bad, "master")

@@ -15,7 +15,7 @@ The package, one concept per module:
 | `addresses` | the ``host:port`` parser and formatter, free ports, ``TF_CONFIG``, static host lists |
 | `environment` | the environment variables every launched worker gets |
 | `config` | what to launch, checked before any work |
-| `rendezvous` | the TCP rendezvous of ``nnodes``/``master`` |
+| `tcp_rendezvous` | the TCP rendezvous of ``nnodes``/``master`` |
 | `gpus` | which GPUs each local worker sees |
 | `supervisor` | starting, waiting for, stopping and restarting the worker processes |
 | `api` | `launch`, the entry point |
@@ -49,8 +49,8 @@ from keras_replicator.launch.environment import (
 )
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment  # noqa: F401 (private: tests)
 from keras_replicator.launch.kubernetes import k8s_manifest
-from keras_replicator.launch.rendezvous import rendezvous
 from keras_replicator.launch.supervisor import RestartPolicy
+from keras_replicator.launch.tcp_rendezvous import rendezvous
 
 __all__ = [
     "LaunchConfig",

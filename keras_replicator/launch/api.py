@@ -16,8 +16,8 @@ from typing import TextIO
 from keras_replicator.launch.addresses import cluster_addresses, format_address, free_ports
 from keras_replicator.launch.config import LaunchConfig
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment
-from keras_replicator.launch.rendezvous import rendezvous
 from keras_replicator.launch.supervisor import Console, RestartPolicy, Supervisor, Task, WorkerSpec
+from keras_replicator.launch.tcp_rendezvous import rendezvous
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig) if f.name != "script"}
 

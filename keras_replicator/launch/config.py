@@ -37,11 +37,11 @@ class LaunchConfig:
 
     Example:
         ```python
-        from keras_replicator.launch import LaunchConfig, launch
-        config = LaunchConfig("train.py", ["--epochs", "2"], workers=2, devices_per_worker=2)
+        from keras_replicator.launch import LaunchConfig
+        config = LaunchConfig("json.tool", ["--help"], module=True, workers=2, devices_per_worker=2)
         config.mode       # 'workers'
-        config.command    # [sys.executable, 'train.py', '--epochs', '2']
-        code = launch(config)
+        config.command    # [sys.executable, '-m', 'json.tool', '--help']
+        # launch(config) runs it; LaunchConfig(..., workers=0) raises before anything starts.
         ```
     """
 
