@@ -156,7 +156,8 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             whose cluster has one "chief", one or more "worker" and "ps" tasks.
-            `None` reads `TF_CONFIG`, then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
+            `None` reads `TF_CONFIG`, then a Kubernetes JobSet pod's environment
+            (`keras_replicator.cluster.jobset_cluster`), then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
             of the tasks are parameter servers; see
             `keras_replicator.cluster.slurm_cluster`).
         variable_partitioner: a `tf.distribute.experimental.partitioners.Partitioner`

@@ -1,4 +1,7 @@
-"""The ``keras-replicator launch`` and ``k8s`` commands, with small scripts that need no TensorFlow."""
+"""The ``keras-replicator launch`` command (and ``k8s``'s start), with small scripts that need no TensorFlow.
+
+The manifests of ``keras-replicator k8s`` are tested in test_kubernetes.py.
+"""
 
 from __future__ import annotations
 
@@ -173,8 +176,8 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path):
         with pytest.raises(error, match=re.escape(message)):
             launch(name, module=True, workers=2, env=env, output=io.StringIO())
     manifest = yaml.safe_load(k8s_manifest("trainers.job", ["-x"], module=True, workers=1, image="i"))
-    container = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "trainers.job", "-x"]
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["template"]["spec"]["containers"][0]["command"] == ["python", "-m", "trainers.job", "-x"]
 
 
 def test_free_ports_and_tf_config():
@@ -602,17 +605,6 @@ def test_tf_config_of_a_parameter_server_cluster():
         tf_config({"worker": ["h:1"], "ps": ["h"]}, 0)
 
 
-def test_k8s_manifest_of_a_parameter_server_job(capsys):
-    assert main(["k8s", "--workers", "4", "--ps", "2", "--image", "img:1", "--gpus-per-worker", "1", "t.py"]) == 0
-    specs = yaml.safe_load(capsys.readouterr().out)["spec"]["tfReplicaSpecs"]
-    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Chief": 1, "Worker": 4, "PS": 2}
-    for kind, spec in specs.items():
-        assert spec["restartPolicy"] == "OnFailure"
-        (container,) = spec["template"]["spec"]["containers"]
-        assert container["command"] == ["python", "t.py"]
-        assert ("resources" in container) == (kind != "PS")
-
-
 # --- Startup: the command line imports no TensorFlow ------------------------------------------
 
 
@@ -647,55 +639,6 @@ def test_the_command_line_imports_no_tensorflow(tmp_path, command):
              "print('tensorflow' in sys.modules, sorted(kr.__all__) == sorted(set(dir(kr)) & set(kr.__all__)))"],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
-
-
-# --- Kubernetes ------------------------------------------------------------------------------
-
-
-def test_k8s_manifest_is_a_tfjob():
-    args = ["--epochs", "3", "--note", 'a: b "c" #d']
-    manifest = yaml.safe_load(k8s_manifest("/app/train.py", args, workers=4, image="reg.io/team/train:1.2",
-                                           name="resnet-50", namespace="research", gpus_per_worker=8))
-    assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "TFJob"
-    assert manifest["metadata"] == {"name": "resnet-50", "namespace": "research"}
-    worker = manifest["spec"]["tfReplicaSpecs"]["Worker"]
-    assert set(manifest["spec"]["tfReplicaSpecs"]) == {"Worker"}  # no chief/ps: worker 0 is the chief
-    assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
-    (container,) = worker["template"]["spec"]["containers"]
-    assert container["name"] == "tensorflow"
-    assert container["image"] == "reg.io/team/train:1.2"
-    assert container["command"] == ["python", "/app/train.py", *args]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
-    plain = yaml.safe_load(k8s_manifest("t.py", workers=1, image="i"))
-    assert "resources" not in plain["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert "namespace" not in plain["metadata"]
-
-
-def test_k8s_command_prints_the_manifest(capsys):
-    assert main(["k8s", "--workers", "2", "--image", "img:3", "--restart-policy", "ExitCode", "t.py", "--fast"]) == 0
-    manifest = yaml.safe_load(capsys.readouterr().out)
-    worker = manifest["spec"]["tfReplicaSpecs"]["Worker"]
-    assert worker["replicas"] == 2 and worker["restartPolicy"] == "ExitCode"
-    assert worker["template"]["spec"]["containers"][0]["command"] == ["python", "t.py", "--fast"]
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"workers": 0}, "workers must be a positive integer"),
-        ({"image": "my image"}, "image must be a container image reference"),
-        ({"name": "-job"}, "name must be a Kubernetes name"),
-        ({"name": "x" * 64}, "name must be a Kubernetes name"),
-        ({"namespace": "Team"}, "namespace must be a Kubernetes name"),
-        ({"gpus_per_worker": -1}, "gpus_per_worker must be a non-negative integer"),
-        ({"restart_policy": "Sometimes"}, "restart_policy must be one of"),
-        ({"ps": -1}, "ps must be a non-negative integer"),
-    ],
-)
-def test_bad_k8s_arguments(kwargs, message):
-    arguments = {"workers": 2, "image": "img:1", **kwargs}
-    with pytest.raises(ValueError, match=re.escape(message)):
-        k8s_manifest("t.py", **arguments)
 
 
 # --- The config object and the restart policy -----------------------------------------------

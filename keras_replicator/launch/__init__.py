@@ -1,4 +1,4 @@
-"""Starting a multi-worker job: worker processes on one or several machines, and a Kubeflow ``TFJob``.
+"""Starting a multi-worker job: worker processes on one or several machines, or Kubernetes pods.
 
 `launch` (``keras-replicator launch``) runs one training script as ``N``
 worker processes on this machine, each with its own ``TF_CONFIG`` on free ports
@@ -6,7 +6,7 @@ of ``127.0.0.1``: the quickest way to try multi-worker code, and the way the tes
 suite runs it. With ``hosts`` it starts one node's share of a job spanning
 several machines. It forwards stop signals to its workers, restarts a failed
 job, and writes per-worker logs. `k8s_manifest` (``keras-replicator k8s``) writes the same job
-as a Kubeflow ``TFJob``, whose operator sets ``TF_CONFIG`` in every pod.
+as a Kubernetes JobSet (or a Kubeflow ``TFJob`` or ``TrainJob``).
 
 The package, one concept per module:
 
@@ -19,7 +19,7 @@ The package, one concept per module:
 | `gpus` | which GPUs each local worker sees |
 | `supervisor` | starting, waiting for, stopping and restarting the worker processes |
 | `api` | `launch`, the entry point |
-| `kubernetes` | Kubernetes manifests |
+| `kubernetes` | Kubernetes manifests: a JobSet, a TFJob, a TrainJob with its runtime |
 
 Security: TensorFlow's gRPC workers are unauthenticated; anyone who can reach
 a worker's port can run operations in it. The launcher therefore gives its
@@ -48,7 +48,7 @@ from keras_replicator.launch.environment import (
     WORKER_INDEX_ENV,
 )
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment  # noqa: F401 (private: tests)
-from keras_replicator.launch.kubernetes import _yaml_str, k8s_manifest  # noqa: F401 (as before)
+from keras_replicator.launch.kubernetes import k8s_manifest
 from keras_replicator.launch.supervisor import RestartPolicy
 from keras_replicator.launch.tcp_rendezvous import rendezvous
 
