@@ -641,6 +641,9 @@ def test_the_command_line_imports_no_tensorflow(tmp_path, command):
         assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
 
 
+# --- The config object and the restart policy -----------------------------------------------
+
+
 def test_launch_config_is_checked_once_and_drives_launch(tmp_path):
     path = script(tmp_path, REPORT)
     config = LaunchConfig(path, ["--lr", "0.1"], workers=2, hosts=None, gpus=[3], env={"A": "1"})
