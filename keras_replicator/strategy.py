@@ -152,7 +152,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         train.py``; create the strategy first thing in the script:
 
         ```python
-        strategy = kr.ReplicatorStrategy(failure_timeout=60)
+        strategy = kr.ReplicatorStrategy(failure_timeout=30)
         print(strategy.num_workers, strategy.worker_index, strategy.is_chief)
         ```
 
@@ -175,8 +175,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         communication: ``"auto"``, ``"ring"`` or ``"nccl"``: the implementation
             of collective all-reduces (``"auto"``: NCCL on GPUs, ring otherwise).
         failure_timeout: seconds without a heartbeat after which a worker counts
-            as lost; the others then stop with
-            `WorkerLostError`. Multi-worker only.
+            as lost; the others then stop with `WorkerLostError` naming it
+            (a dead or a silent worker, e.g. a stopped process or a hung
+            device). The default, 30, ends a job with a silent worker in
+            about 30 to 40 s. Multi-worker only.
         startup_timeout: seconds to wait at creation for every worker of the
             cluster to be up before failing with
             `ClusterStartupError`. Multi-worker only.
@@ -198,7 +200,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
         cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
         communication: str = "auto",
-        failure_timeout: float = 60.0,
+        failure_timeout: float = 30.0,
         startup_timeout: float = 300.0,
         on_sigterm: str | None = None,
     ):

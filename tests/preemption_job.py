@@ -80,7 +80,7 @@ def main(out_dir: str, sigterm_at, silent: bool) -> None:
     )
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(out_dir, f"weights.worker{strategy.worker_index}.npz"), **weights)
-    print("finished", flush=True)
+    print(f"finished; SIGTERM handler after fit: {signal.getsignal(signal.SIGTERM)!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import re
+import threading
 import warnings
 import weakref
 
