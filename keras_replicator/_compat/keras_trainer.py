@@ -7,13 +7,17 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   `call()` (keras-io's GAN style), as Keras does without a strategy;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
+* `TFEpochIterator._enumerate_iterator`: after `BackupAndRestore` restored a backup
+  written mid-epoch (at a preemption), the first epoch skips the data of the steps
+  already done (`resume_current_fit_at`);
 * `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
   hands a model built under `AsyncReplicatorStrategy` to `parameter_server`, and else,
   before any work, catches a model built outside the strategy's scope (an
   error when its data was distributed by one of our strategies, a warning when
   such a strategy exists), refuses infinite `validation_data` without
   `validation_steps`, re-raises a step's error caused by a lost worker as
-  `WorkerLostError`, and TensorFlow's oneDNN failure on an empty batch (a
+  `WorkerLostError`, appends the preemption check to `fit`'s callbacks
+  (`preemption`), and TensorFlow's oneDNN failure on an empty batch (a
   dataset with fewer examples than replicas leaves a replica empty) as a
   `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
   datasets (TF 2.16-2.21: `input_lib`).

@@ -5,8 +5,8 @@ Uses TensorFlow's coordination service's key-value store through the private
 (TensorFlow 2.16-2.21), and the key its preemption notifier writes on SIGTERM,
 `TF_DEFAULT_PREEMPTION_NOTICE_KEY` (`tsl::PreemptionNotifier` "sigterm", the
 same key `tf.distribute.experimental.PreemptionCheckpointHandler` reads as
-`failure_handling.PREEMPTION_KEY`). Reads and writes `BackupAndRestore`'s private
-`_current_epoch`, `_save_model` and `_training_metadata_path` (Keras 3.15).
+`failure_handling.PREEMPTION_KEY`; checked on TensorFlow 2.21). The backup
+itself is written by `keras_checkpointing.save_mid_epoch`.
 
 Why: in a multi-worker job TensorFlow's coordination service catches SIGTERM
 (the process keeps running and dies at the SIGKILL after the grace period,
@@ -31,7 +31,6 @@ not expose its C++ `PreemptionSyncManager` to Python, and
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -40,6 +39,8 @@ import time
 
 import keras
 from tensorflow.python.eager import context
+
+from keras_replicator._compat import keras_checkpointing
 
 # What TensorFlow's SIGTERM notifier writes in the coordination service (TF 2.16-2.21).
 NOTICE_KEY = "TF_DEFAULT_PREEMPTION_NOTICE_KEY"
@@ -50,8 +51,6 @@ _SAVED_BARRIER = "keras_replicator/preemption/saved"
 # PreemptionCheckpointHandler exits with on GCE: "restart me" for the launcher, Ray
 # Train's FailureConfig and a Kubernetes restart/failure policy alike.
 EXIT_CODE = 143
-# Added to BackupAndRestore's training_metadata.json: the steps of "epoch" already done.
-STEP_KEY = "keras_replicator_step_in_epoch"
 MODES = ("save", "fatal")
 MODE_ENV = "KERAS_REPLICATOR_ON_SIGTERM"
 
@@ -173,7 +172,7 @@ class _StopAtPreemption(keras.callbacks.Callback):
             return
         started = time.monotonic()
         if self.backup is not None:
-            save_mid_epoch(self.backup, self.epoch, batch + 1, self.strategy.is_chief)
+            keras_checkpointing.save_mid_epoch(self.backup, self.epoch, batch + 1, self.strategy.is_chief)
         self.watch.saved()
         where = f"after step {batch + 1} of epoch {self.epoch}"
         what = f"saved to {self.backup.backup_dir!r}" if self.backup is not None else "nothing saved"
@@ -184,27 +183,6 @@ class _StopAtPreemption(keras.callbacks.Callback):
         )
         sys.stdout.flush()
         raise SystemExit(EXIT_CODE)
-
-
-def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
-    """Writes `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`)."""
-    backup._current_epoch = epoch
-    backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
-    if is_chief:
-        with open(backup._training_metadata_path) as f:
-            metadata = json.load(f)
-        metadata[STEP_KEY] = int(step)
-        with open(backup._training_metadata_path, "w") as f:
-            json.dump(metadata, f)
-
-
-def read_step_in_epoch(backup) -> int:
-    """The steps of the restored epoch already done (0: none, or no mid-epoch backup)."""
-    path = backup._training_metadata_path
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        return int(json.load(f).get(STEP_KEY, 0))
 
 
 def fit_callbacks(strategy, callbacks, mode: str):
