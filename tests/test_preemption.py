@@ -39,9 +39,12 @@ def _env(**extra) -> dict[str, str]:
     return dict(env, **extra)
 
 
-def _run(args, env, timeout=300) -> subprocess.CompletedProcess:
-    process = subprocess.Popen([sys.executable, JOB, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _start(args, env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, JOB, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(process: subprocess.Popen, timeout=300) -> subprocess.CompletedProcess:
     try:
         output, _ = process.communicate(timeout=timeout)
     finally:
@@ -85,34 +88,38 @@ def _exactly_once(steps) -> None:
 
 
 def test_sigterm_in_one_process_saves_mid_epoch_and_the_rerun_resumes_at_that_step(tmp_path):
+    saving, fatal = tmp_path / "save", tmp_path / "fatal"
+    saving.mkdir()
+    fatal.mkdir()
     # Run 1: 2 replicas; SIGTERM while batch 3 of epoch 1 runs: that step finishes, then save and 143.
-    first = _run([str(tmp_path), "--sigterm-at", "0", "1", "3"], _env())
+    # Alongside, the same job with SIGTERM made fatal: it ends at once, nothing saved.
+    processes = [_start([str(saving), "--sigterm-at", "0", "1", "3"], _env()),
+                 _start([str(fatal), "--sigterm-at", "0", "1", "3"], _env(KERAS_REPLICATOR_ON_SIGTERM="fatal"))]
+    try:
+        reference = _reference_weights()
+    finally:
+        first, killed = [_finish(p) for p in processes]
     assert first.returncode == 143, first.stdout[-4000:]
     assert "SIGTERM (preemption): stopped after step 4 of epoch 1, saved to" in first.stdout
-    with open(tmp_path / "backup" / "training_metadata.json") as f:
+    with open(saving / "backup" / "training_metadata.json") as f:
         metadata = json.load(f)
     assert metadata["epoch"] == 1 and metadata["keras_replicator_step_in_epoch"] == 4, metadata
-    assert _steps(tmp_path) == ALL_STEPS[:STEPS + 4]
+    assert _steps(saving) == ALL_STEPS[:STEPS + 4]
+
+    assert killed.returncode == -signal.SIGTERM, killed.stdout[-4000:]
+    assert "sending SIGTERM" in killed.stdout and "preemption" not in killed.stdout
+    assert _steps(fatal) == ALL_STEPS[:STEPS + 3]  # the step that was running never finished
+    with open(fatal / "backup" / "training_metadata.json") as f:
+        assert json.load(f) == {"epoch": 1, "batch": 0}  # Keras's own epoch-end backup only
 
     # Run 2 (a restart): resumes at step 4 of epoch 1; every step once over both runs.
-    second = _run([str(tmp_path)], _env(KERAS_REPLICATOR_RESTART_COUNT="1"))
+    second = _finish(_start([str(saving)], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))
     assert second.returncode == 0, second.stdout[-4000:]
     assert "SIGTERM handler after fit: <Handlers.SIG_DFL: 0>" in second.stdout  # put back after fit
-    _exactly_once(_steps(tmp_path))
-    gap = _check_weights(tmp_path, 0, _reference_weights())
+    _exactly_once(_steps(saving))
+    gap = _check_weights(saving, 0, reference)
     print(f"weight gap to an uninterrupted run: {gap:.2g}")
-    assert not (tmp_path / "backup").exists()
-
-
-def test_sigterm_fatal_ends_the_process_at_once(tmp_path):
-    started = time.monotonic()
-    result = _run([str(tmp_path), "--sigterm-at", "0", "1", "3"], _env(KERAS_REPLICATOR_ON_SIGTERM="fatal"))
-    assert result.returncode == -signal.SIGTERM, result.stdout[-4000:]
-    assert "sending SIGTERM" in result.stdout and "preemption" not in result.stdout
-    assert _steps(tmp_path) == ALL_STEPS[:STEPS + 3]  # the step that was running never finished
-    with open(tmp_path / "backup" / "training_metadata.json") as f:
-        assert json.load(f) == {"epoch": 1, "batch": 0}  # Keras's own epoch-end backup only
-    print(f"job with fatal SIGTERM ran {time.monotonic() - started:.1f} s")
+    assert not (saving / "backup").exists()
 
 
 def test_sigterm_to_one_worker_stops_both_after_the_same_step_and_the_launcher_restarts(tmp_path):
