@@ -169,3 +169,15 @@ def test_a_silent_worker_ends_the_job_within_60_s_named_and_nothing_is_left(tmp_
     for pid in pids:  # the launcher killed the stopped worker (SIGKILL works on a stopped process)
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_on_sigterm_is_checked_before_any_work(monkeypatch):
+    import keras_replicator as kr
+
+    with pytest.raises(ValueError, match="on_sigterm must be one of 'save', 'fatal'; got 'ignore'"):
+        kr.ReplicatorStrategy(on_sigterm="ignore")
+    monkeypatch.setenv("KERAS_REPLICATOR_ON_SIGTERM", "sometimes")
+    with pytest.raises(ValueError, match=r"KERAS_REPLICATOR_ON_SIGTERM must be one of \['save', 'fatal'\]"):
+        kr.ReplicatorStrategy()
+    monkeypatch.setenv("KERAS_REPLICATOR_ON_SIGTERM", "fatal")
+    assert kr.ReplicatorStrategy(devices=["/cpu:0"]).on_sigterm == "fatal"
