@@ -169,7 +169,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             across workers choose ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
-            at Slurm's environment (see `keras_replicator.cluster.resolve_cluster`);
+            at a Kubernetes JobSet pod's, then at Slurm's environment (see
+            `keras_replicator.cluster.resolve_cluster`);
             with no cluster (or a cluster of one task) the strategy is local.
             In a multi-worker job ``devices`` lists each worker's local devices.
         communication: ``"auto"``, ``"ring"`` or ``"nccl"``: the implementation
