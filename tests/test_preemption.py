@@ -26,6 +26,10 @@ import pytest
 from keras_replicator import launch as launcher
 from tests.helpers import ROOT, dense_model, regression_data
 
+# The jobs run in their own processes; this process only holds the one-device reference. In
+# the 2-device process, which runs beside the 1-device one, its waiting overlaps other tests.
+pytestmark = pytest.mark.devices(2)
+
 JOB = os.path.join(ROOT, "tests", "preemption_job.py")
 EXAMPLES, BATCH, EPOCHS, STEPS = 64, 8, 3, 8  # as in the job
 ALL_STEPS = [[e, b] for e in range(EPOCHS) for b in range(STEPS)]
