@@ -31,6 +31,7 @@ not expose its C++ `PreemptionSyncManager` to Python, and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -38,11 +39,12 @@ import threading
 import time
 
 import keras
+import tensorflow as tf
 from tensorflow.python.eager import context
 
 from keras_replicator._compat import keras_checkpointing
 
-# What TensorFlow's SIGTERM notifier writes in the coordination service (TF 2.16-2.21).
+# What TensorFlow's SIGTERM notifier writes in the coordination service (checked on TF 2.21).
 NOTICE_KEY = "TF_DEFAULT_PREEMPTION_NOTICE_KEY"
 _STOP_KEY = "keras_replicator/preemption/stop_after"
 _ACK_KEY = "keras_replicator/preemption/ack/"
@@ -99,7 +101,7 @@ class _ClusterWatch:
             ctx = context.context()
             try:
                 ctx.set_config_key_value(_STOP_KEY, str(done + 1))
-            except Exception:  # another worker proposed first: its value holds
+            except tf.errors.OpError:  # AlreadyExists: another worker proposed first, its value holds
                 pass
             self.stop_after = int(ctx.get_config_key_value(_STOP_KEY))
             # Nobody may finish the stop step before knowing it: wait for every acknowledgement.
@@ -187,8 +189,6 @@ class _StopAtPreemption(keras.callbacks.Callback):
 
 def fit_callbacks(strategy, callbacks, mode: str):
     """(callbacks for `fit` with the preemption check appended, context manager to run it in)."""
-    import contextlib
-
     if mode != "save" or not isinstance(callbacks, (list, tuple, type(None))):
         return callbacks, contextlib.nullcontext()  # a CallbackList is the caller's own
     listed = list(callbacks or ())
