@@ -25,7 +25,6 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from keras_replicator import _compat, cluster
-from keras_replicator._compat import parameter_server as _ps_compat
 from keras_replicator._compat import tf_data
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
@@ -211,9 +210,9 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         self._wait_for_tasks(spec, startup_timeout)
         super().__init__(resolver, variable_partitioner=variable_partitioner)
         self._kr_coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
-        _compat.install()  # fit/evaluate/predict of its models go to parameter_server
-        if variable_partitioner is not None:
-            _ps_compat.install_sharded_variable_reads()
+        # fit/evaluate/predict of its models go to parameter_server; partitioned
+        # variables read as whole arrays.
+        _compat.install(sharded_variable_reads=variable_partitioner is not None)
 
     def _wait_for_tasks(self, spec: tf.train.ClusterSpec, timeout: float) -> None:
         """Waits until every worker and parameter server listens; names those that do not."""

@@ -3,11 +3,12 @@
 Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
 `on_train_begin`, `on_train_end` (keras.src.callbacks; checked on Keras 3.15), and
 reads `BackupAndRestore`'s private path attributes and `_current_epoch`. Acts only for
-keras_replicator's strategies (the chief-only writes with more than one
-worker). Permanent (idempotent): callbacks run outside any strategy scope.
+keras_replicator's strategies (the chief-only writes with more than one worker).
+`PATCHES` are installed by `keras_replicator._compat.install()` (undone by
+`uninstall()`): callbacks run outside any strategy scope.
 `BackupAndRestore.on_train_begin` also resumes mid-epoch from a backup written
 at a preemption (`preemption`): it hands the step to the trainer's epoch
-iterator (`keras_trainer.resume_current_fit_at`).
+iterator (`mid_epoch_resume.resume_current_fit_at`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import tempfile
 import tensorflow as tf
 from keras.src.callbacks import backup_and_restore, model_checkpoint
 
-from keras_replicator._compat import keras_trainer
-from keras_replicator._compat.keras_trainer import multi_worker, ours
+from keras_replicator._compat import mid_epoch_resume
+from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours
 
 
 def _callback_strategy(callback):
@@ -88,22 +89,18 @@ def read_step_in_epoch(backup) -> int:
         return int(json.load(f).get(STEP_KEY, 0))
 
 
-def install() -> None:
-    """Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
+# Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
+#
+# Why: Keras 3's callbacks (3.15) know nothing of workers, so every worker
+# would write the same files concurrently. On a non-chief worker of our
+# multi-worker strategies the output paths point into a temporary directory
+# that is removed after each save, the backup is not deleted at the end of
+# training (the chief does that), and after ``BackupAndRestore`` restored,
+# the workers check that they all resume from the same epoch (the backup must
+# be on storage every worker reads).
 
-    Why: Keras 3's callbacks (3.15) know nothing of workers, so every worker
-    would write the same files concurrently. On a non-chief worker of our
-    multi-worker strategies the output paths point into a temporary directory
-    that is removed after each save, the backup is not deleted at the end of
-    training (the chief does that), and after ``BackupAndRestore`` restored,
-    the workers check that they all resume from the same epoch (the backup must
-    be on storage every worker reads).
-    """
-    mc = model_checkpoint.ModelCheckpoint
-    if getattr(mc._save_model, "_keras_replicator_patch", False):
-        return
-    original_mc_save = mc._save_model
 
+def _mc_save_model(original_mc_save):
     def mc_save_model(self, epoch, batch, logs):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
@@ -117,23 +114,34 @@ def install() -> None:
         finally:
             del self._get_file_path
 
-    br = backup_and_restore.BackupAndRestore
-    original_br_save, original_br_end, original_br_begin = br._save_model, br.on_train_end, br.on_train_begin
-    paths = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
+    return mc_save_model
+
+
+_BR_PATHS = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
              "_prev_training_metadata_path")
 
+
+def _br_save_model(original_br_save):
     def br_save_model(self):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
             return original_br_save(self)
-        with _PathsRedirected(self, paths, strategy):
+        with _PathsRedirected(self, _BR_PATHS, strategy):
             return original_br_save(self)
 
+    return br_save_model
+
+
+def _br_on_train_end(original_br_end):
     def br_on_train_end(self, logs=None):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
             return original_br_end(self, logs)
 
+    return br_on_train_end
+
+
+def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         result = original_br_begin(self, logs)
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
@@ -153,14 +161,16 @@ def install() -> None:
                     "(a shared file system or bucket)."
                 )
         if step:
-            keras_trainer.resume_current_fit_at(epoch, step)
+            mid_epoch_resume.resume_current_fit_at(epoch, step)
         return result
 
-    for cls, name, fn in (
-        (mc, "_save_model", mc_save_model),
-        (br, "_save_model", br_save_model),
-        (br, "on_train_end", br_on_train_end),
-        (br, "on_train_begin", br_on_train_begin),
-    ):
-        fn._keras_replicator_patch = True
-        setattr(cls, name, fn)
+    return br_on_train_begin
+
+
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(model_checkpoint.ModelCheckpoint, "_save_model", _mc_save_model),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "_save_model", _br_save_model),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_end", _br_on_train_end),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_begin", _br_on_train_begin),
+)

@@ -22,10 +22,11 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
   datasets (TF 2.16-2.21: `input_lib`).
 
-Every patch acts only for strategies marked `_keras_replicator` (the
+Every patch acts only for keras_replicator's strategies (`patching.ours`; the
 multi-worker ones only with more than one worker); other strategies keep
-Keras's behaviour. These patches are permanent (installed once, idempotent):
-`fit` is called outside any strategy scope, so they cannot be scoped.
+Keras's behaviour. `PATCHES` are installed by `keras_replicator._compat.install()`
+(and undone by `uninstall()`): `fit` is called outside any strategy scope, so
+they cannot be scoped.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import threading
 import warnings
 import weakref
 
@@ -41,26 +41,10 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-_MARK = "_keras_replicator_patch"
+from keras_replicator._compat import mid_epoch_resume, parameter_server
+from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours, ours_async
 
-
-def ours(strategy) -> bool:
-    """Whether `strategy` is one of keras_replicator's."""
-    return bool(getattr(strategy, "_keras_replicator", False))
-
-
-def multi_worker(strategy) -> bool:
-    """Whether `strategy` is one of keras_replicator's with more than one worker."""
-    return ours(strategy) and getattr(strategy, "num_workers", 1) > 1
-
-
-def _patched(fn):
-    setattr(fn, _MARK, True)
-    return fn
-
-
-def _is_patched(fn) -> bool:
-    return getattr(fn, _MARK, False)
+__all__ = ["PATCHES", "multi_worker", "ours", "register_strategy"]
 
 
 def _first_replica(strategy, value):
@@ -73,8 +57,8 @@ def _has_call(model) -> bool:
     return type(model).call is not keras.Model.call
 
 
-def _patch_symbolic_build() -> None:
-    """Why: `_maybe_symbolic_build` builds the model from one distributed batch by
+def _symbolic_build_from_first_replica(original):
+    """`TensorFlowTrainer._maybe_symbolic_build`. Why: `_maybe_symbolic_build` builds the model from one distributed batch by
     `strategy.reduce("MEAN", batch, axis=None)`: an element-wise mean of every
     replica's slice. That fails when the slices differ in size (a short last
     batch: "Inputs to operation AddN must have the same size and shape") and,
@@ -85,12 +69,7 @@ def _patch_symbolic_build() -> None:
     symbolically at all; without a strategy Keras skips this build and the
     model builds when the step is traced: we do the same.
     """
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls._maybe_symbolic_build
-    if _is_patched(original):
-        return
 
-    @_patched
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
         if not ours(strategy):
@@ -105,11 +84,11 @@ def _patch_symbolic_build() -> None:
         with strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
-    cls._maybe_symbolic_build = _maybe_symbolic_build
+    return _maybe_symbolic_build
 
 
-def _patch_reduce_per_replica() -> None:
-    """Global metrics and all of predict's rows across workers.
+def _reduce_across_workers(original):
+    """`reduce_per_replica`: global metrics and all of predict's rows across workers.
 
     Why: Keras 3's `reduce_per_replica` reduces across workers only for
     `isinstance(strategy, MultiWorkerMirroredStrategy)`, and there with
@@ -122,11 +101,7 @@ def _patch_reduce_per_replica() -> None:
     tf.data's data-sharding hands rows to replicas), and "mean"/"sum" reduce
     over every replica of every worker, element-wise as Keras does on one worker.
     """
-    original = tf_trainer.reduce_per_replica
-    if _is_patched(original):
-        return
 
-    @_patched
     def reduce_per_replica(values, strategy, reduction):
         if not multi_worker(strategy) or reduction == "first":
             return original(values, strategy, reduction)
@@ -147,7 +122,7 @@ def _patch_reduce_per_replica() -> None:
 
         return tf.nest.map_structure(_reduce, values)
 
-    tf_trainer.reduce_per_replica = reduce_per_replica
+    return reduce_per_replica
 
 
 def _infinite_without_steps(data, steps) -> bool:
@@ -160,17 +135,12 @@ def _infinite_without_steps(data, steps) -> bool:
     return False
 
 
-def _patch_epoch_iterator() -> None:
-    """Why: Keras 3.15's `EpochIterator` runs an epoch of an infinite `tf.data`
+def _refuse_infinite_epochs(original):
+    """`TFEpochIterator.__init__`. Why: Keras 3.15's `EpochIterator` runs an epoch of an infinite `tf.data`
     dataset forever when `steps_per_epoch` (`steps`) is not given. We raise
     instead, in `TFEpochIterator.__init__` (fit, evaluate, predict), before any step.
     """
-    cls = tf_trainer.TFEpochIterator
-    original = cls.__init__
-    if _is_patched(original):
-        return
 
-    @_patched
     @functools.wraps(original)
     def __init__(self, distribute_strategy=None, *args, **kwargs):
         if ours(distribute_strategy) and _infinite_without_steps(
@@ -184,9 +154,9 @@ def _patch_epoch_iterator() -> None:
             )
         original(self, distribute_strategy, *args, **kwargs)
         if ours(distribute_strategy):
-            _current.iterator = weakref.ref(self)
+            mid_epoch_resume.current.iterator = weakref.ref(self)
 
-    cls.__init__ = __init__
+    return __init__
 
 
 # Every keras_replicator strategy created in this process (for the scope checks).
@@ -264,27 +234,14 @@ def _empty_replica_error(strategy, error: Exception) -> ValueError | None:
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
 
-# Keras's own entry points, as they were before the wrapper (parameter_server runs them
-# on the chief for evaluate and predict).
-ORIGINALS: dict = {}
+def _entry_point(name):
+    """One wrapper around the trainer's entry point `name` (see the module docstring)."""
 
-
-def _patch_entry_points() -> None:
-    """One wrapper around each of the trainer's entry points (see the module docstring)."""
-    cls = tf_trainer.TensorFlowTrainer
-    if _is_patched(cls.fit):
-        return
-
-    def wrap(name, method):
-        ORIGINALS[name] = method
-
-        @_patched
+    def wrap(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
             strategy = getattr(self, "_distribute_strategy", None)
-            if getattr(strategy, "_keras_replicator_async", False):
-                from keras_replicator._compat import parameter_server
-
+            if ours_async(strategy):
                 return parameter_server.ENTRY_POINTS[name](self, *args, **kwargs)
             _check_scope(self, name, args, kwargs)
             if not ours(strategy):
@@ -307,8 +264,7 @@ def _patch_entry_points() -> None:
 
         return wrapper
 
-    for name in _ENTRY_POINTS:
-        setattr(cls, name, wrap(name, getattr(cls, name)))
+    return wrap
 
 
 _FIT_CALLBACKS_POSITION = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
@@ -328,85 +284,12 @@ def _with_preemption_check(strategy, args, kwargs):
     return args, kwargs, watching
 
 
-# The training epoch iterator of the `fit` running in this thread: the last one made
-# before the callbacks' on_train_begin (fit makes it first; evaluate's come later).
-_current = threading.local()
-
-
-def resume_current_fit_at(epoch: int, step: int) -> bool:
-    """Makes the running `fit` skip the data of `epoch`'s first `step` steps (and of the
-    epochs before it when batches carry over between epochs, with ``steps_per_epoch``).
-
-    Called from `BackupAndRestore.on_train_begin` (keras_checkpointing) after a backup
-    written mid-epoch at a preemption was restored. Returns False if no iterator is known.
-    """
-    iterator = getattr(_current, "iterator", None)
-    iterator = iterator() if iterator is not None else None
-    if iterator is None:
-        return False
-    iterator._kr_resume = (int(epoch), int(step))
-    return True
-
-
-def _consume(iterator, batches: int) -> bool:
-    """Takes `batches` batches from a distributed iterator; False once it ran out."""
-    try:
-        for _ in range(batches):
-            next(iterator)
-    except (StopIteration, tf.errors.OutOfRangeError):
-        return False
-    return True
-
-
-def _fast_forward(self, original, epoch: int, step: int):
-    """The first epoch's batches after `step` steps of `epoch`, as an uninterrupted fit.
-
-    Without ``steps_per_epoch`` each epoch starts a new pass over the data, so only
-    `step` steps' batches are skipped; with it Keras carries its iterator over from
-    epoch to epoch, so the epochs before `epoch` are replayed too (their batches
-    taken and dropped, Keras's own bookkeeping run). Deterministic input (no
-    reshuffling, or seeded) gives the batches the uninterrupted run had.
-    """
-    for _ in range(epoch if self.steps_per_epoch else 0):
-        for _, _, it in original(self):
-            if not _consume(it, self.steps_per_execution):
-                self._current_iterator = None
-                break
-    for begin, end, it in original(self):
-        if begin < step:
-            if not _consume(it, self.steps_per_execution):
-                self._current_iterator = None
-                return
-            continue
-        yield begin, end, it
-
-
-def _patch_resume() -> None:
-    """`TFEpochIterator._enumerate_iterator` fast-forwards once after a mid-epoch restore.
-
-    Why: Keras 3.15's `BackupAndRestore` restarts the interrupted epoch from its
-    first batch; after a preemption backup written mid-epoch, the steps already
-    done would be done twice. Acts only on an iterator `resume_current_fit_at` marked.
-    """
-    cls = tf_trainer.TFEpochIterator
-    original = cls._enumerate_iterator
-    if _is_patched(original):
-        return
-
-    @_patched
-    def _enumerate_iterator(self):
-        resume = self.__dict__.pop("_kr_resume", None)
-        if resume is None:
-            return original(self)
-        return _fast_forward(self, original, *resume)
-
-    cls._enumerate_iterator = _enumerate_iterator
-
-
-def install() -> None:
-    """Installs every patch of this module (idempotent)."""
-    _patch_resume()
-    _patch_symbolic_build()
-    _patch_reduce_per_replica()
-    _patch_epoch_iterator()
-    _patch_entry_points()
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _symbolic_build_from_first_replica),
+    ScopedPatch(tf_trainer, "reduce_per_replica", _reduce_across_workers),
+    ScopedPatch(tf_trainer.TFEpochIterator, "__init__", _refuse_infinite_epochs),
+    ScopedPatch(tf_trainer.TFEpochIterator, "_enumerate_iterator",
+                mid_epoch_resume.resume_from_mid_epoch),
+    *(ScopedPatch(tf_trainer.TensorFlowTrainer, name, _entry_point(name)) for name in _ENTRY_POINTS),
+)

@@ -344,7 +344,9 @@ def input_fn(
 
 
 # The recipe moved to keras_replicator.applications.resnet (it is ResNet's, not the data
-# set's); the old names keep working for tutorial 1's readers, with a warning.
+# set's); the old names keep working for tutorial 1's readers, with a warning. The shim
+# resolves the new names from these strings when one is read: this module does not
+# depend on the recipe (which depends on it, for NUM_TRAIN_EXAMPLES).
 _MOVED = {
     "LARGE_BATCH": "keras_replicator.applications.resnet.LARGE_BATCH",
     "REFERENCE_TOP1": "keras_replicator.applications.resnet.REFERENCE_TOP1",
@@ -355,16 +357,16 @@ _MOVED = {
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
+        import importlib
         import warnings
-
-        from keras_replicator.applications.resnet import recipe
 
         warnings.warn(
             f"keras_replicator.applications.imagenet.{name} moved to {_MOVED[name]}.",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(recipe, name)
+        module, attribute = _MOVED[name].rsplit(".", 1)
+        return getattr(importlib.import_module(module), attribute)
     if name == "LearningRateDecay":
         raise AttributeError(
             "keras_replicator.applications.imagenet.LearningRateDecay was removed: the warmup "

@@ -31,6 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_replicator import _compat
 from keras_replicator._compat import keras_optimizer
 from keras_replicator._validation import check_bool, check_choice, check_number
 from keras_replicator.collectives import all_reduce
@@ -110,6 +111,10 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         name: the optimizer's name.
     """
 
+    # It all-reduces gradients itself: a LossScaleOptimizer around it is refused
+    # (keras_replicator._compat.keras_optimizer.reduces_gradients).
+    reduces_gradients = True
+
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer | str,
@@ -163,6 +168,8 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._strategy = tf.distribute.get_strategy()
         keras_optimizer.skip_optimizer_gradient_all_reduce(optimizer)
+        # Among them, the refusal of a LossScaleOptimizer around this one (keras_optimizer).
+        _compat.install()
 
     # --- state -----------------------------------------------------------------
 
@@ -426,10 +433,3 @@ def wrap_optimizer(optimizer: keras.optimizers.Optimizer | str, **kwargs: Any) -
     """
     return CrossReplicaOptimizer(optimizer, **kwargs)
 
-
-def _is_cross_replica(optimizer) -> bool:
-    return isinstance(optimizer, CrossReplicaOptimizer)
-
-
-# A LossScaleOptimizer around a CrossReplicaOptimizer is refused when it is made.
-keras_optimizer.refuse_outer_loss_scale_optimizer(_is_cross_replica)
