@@ -17,6 +17,7 @@ installed version is outside the range a module was checked on.
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
+| `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; permanent check | Keras 3.15 |
 
@@ -45,6 +46,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
+    "keras_seed_generator": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
 }
@@ -93,7 +95,12 @@ def install() -> None:
 @contextlib.contextmanager
 def strategy_scope_patches() -> Iterator[None]:
     """The scoped patches, applied for the outermost of nested strategy scopes."""
-    from keras_replicator._compat import all_reduce_gradient, keras_batch_norm, patching
+    from keras_replicator._compat import (
+        all_reduce_gradient,
+        keras_batch_norm,
+        keras_seed_generator,
+        patching,
+    )
 
-    with patching.applied([all_reduce_gradient.PATCH, keras_batch_norm.PATCH]):
+    with patching.applied([all_reduce_gradient.PATCH, keras_batch_norm.PATCH, keras_seed_generator.PATCH]):
         yield

@@ -21,7 +21,9 @@ checkpoint to resume, so `OUT` must be a folder they share.
 
 Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (one
 record per evaluation interval: `step`, the losses, FID and Inception Score, on digits the
-`class_accuracy` of the samples, `seconds` since this invocation started and `train_seconds`,
+`class_accuracy` of the samples and their `class_diversity` (per class, 8x8 within-class
+distance over real digits') with its minimum `worst_class_diversity`, `seconds` since this
+invocation started and `train_seconds`,
 the run's time spent in training steps, summed over resumes: without the evaluations, the
 checkpoints and each invocation's first step, which traces and builds the step's graph) and
 `OUT/samples.png` (one row per class).
@@ -139,6 +141,19 @@ def _samples_png(path: str, images, rows: int, cols: int) -> None:
     n, h, w, c = images.shape
     grid = images.reshape(rows, cols, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, cols * w, c)
     Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
+
+
+def _class_diversity(sampler, z_dim: int, x, y, seed: int, per_class: int = 100):
+    """`metrics.class_diversity` of `per_class` samples of each digit (latents from `seed`)."""
+    import numpy as np
+
+    from keras_replicator.applications.sngan import metrics
+
+    classes = int(y.max()) + 1
+    z = np.random.default_rng(seed).standard_normal((classes * per_class, z_dim)).astype("float32")
+    labels = np.repeat(np.arange(classes, dtype=np.int32), per_class)
+    samples = sampler([z, labels], training=False).numpy()
+    return metrics.class_diversity(samples, labels, x, y, per_class=per_class)
 
 
 def _read_state(folder: str) -> dict | None:
@@ -300,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.dataset == "digits":
                     # The classifier of real digits names the class asked for.
                     record["class_accuracy"] = float(np.mean(np.argmax(probs, 1) == asked))
+                    # Within-class diversity (8x8) over real digits', every class: a mean
+                    # over classes would hide one collapsed class.
+                    ratios = _class_diversity(sampler, cfg.z_dim, x, y, args.seed + step)
+                    record["worst_class_diversity"] = float(ratios.min())
+                    record["class_diversity"] = [round(float(r), 4) for r in ratios]
             history[:] = [h for h in history if h["step"] < step] + [record]
             if chief:
                 with open(metrics_path + ".tmp", "w") as f:
@@ -308,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             _write_state(checkpoint, gan, step)
             if chief:
                 print("step {step}: ".format(**record) + ", ".join(
-                    f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
+                    f"{k} {v:.4g}" if k != "class_diversity" else f"{k} {v}"
+                    for k, v in record.items() if k != "step"), flush=True)
 
     verbose = args.verbose if chief else 0
     if done < args.steps:
