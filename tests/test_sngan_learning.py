@@ -18,12 +18,6 @@ CONFIG = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)  # 16x16, ch 
 SIZE = CONFIG.image_size
 
 
-def _mean_pairwise_distance(images):
-    flat = images.reshape(len(images), -1).astype(np.float64)
-    squared = np.sum((flat[:, None] - flat[None]) ** 2, -1)
-    return np.sqrt(np.maximum(squared[np.triu_indices(len(flat), 1)], 0)).mean()
-
-
 def test_class_conditional_samples_on_four_replicas():
     x, y = sngan.digits(SIZE)
     # The judge: a classifier of real digits trained on its own, on one device.
@@ -46,10 +40,9 @@ def test_class_conditional_samples_on_four_replicas():
     samples = gan([z, labels]).numpy()
     predicted = np.argmax(classifier.predict(samples, verbose=0), 1)
     per_class = [np.mean(predicted[labels == c] == c) for c in range(10)]
-    ratios = [_mean_pairwise_distance(samples[labels == c])
-              / _mean_pairwise_distance(x[y == c][:50]) for c in range(10)]
+    # Within-class diversity (8x8) over real digits', per class: the worst class guarded.
+    ratios = metrics.class_diversity(samples, labels, x, y)
     print(f"class accuracy {np.mean(per_class):.3f} (per class {np.round(per_class, 2)}); "
-          f"within-class distance / real {np.round(ratios, 2)}")
+          f"within-class diversity / real {np.round(ratios, 2)}, worst {ratios.min():.2f}")
     assert np.mean(per_class) >= 0.8, per_class
-    for c in range(10):
-        assert ratios[c] >= 0.5, (c, ratios)
+    assert ratios.min() >= 0.6, ratios

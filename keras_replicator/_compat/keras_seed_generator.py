@@ -25,9 +25,26 @@ own generators (`Dropout` and relatives, `GaussianNoise`, the `Random*`
 preprocessing layers), unseeded generators. Integer seeds
 (`keras.random.normal(..., seed=42)`) are stateless by contract and stay the
 same everywhere. `tf.data` pipelines run outside any replica context: untouched.
+Keras's global generator (`seed=None`) is per thread and created on first use,
+which a traced replica step (one thread per replica) cannot do, with or without
+this patch: layers own a `SeedGenerator`, as Keras's do.
+
+`AsyncReplicatorStrategy` (parameter servers): the state lives on a parameter
+server, read and advanced by whichever worker runs a step; steps of two workers
+that read it at the same moment drew the same numbers. While its step function
+is traced (`folded_with_worker`, from `parameter_server`), each draw advances
+the state with one atomic `AssignAddVariableOp` (reads `SeedGenerator.state`'s
+TensorFlow variable, `_value`) and its seed is folded with a key of the worker
+running the step (`experimental_get_current_worker_index`, as a replica index:
+worker 0 keeps Keras's seed), so draws differ across workers, and within a
+worker (whose steps run one at a time) the counter only grows.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import keras
 import tensorflow as tf
@@ -55,8 +72,39 @@ def fold_replica(seed: tf.Tensor, rid: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.equal(rid, 0), seed, folded)
 
 
+_worker = threading.local()
+
+
+@contextlib.contextmanager
+def folded_with_worker(worker: tf.Tensor) -> Iterator[None]:
+    """While a parameter-server step is traced: draws fold in `worker`, the index of the
+    worker running the step (a value bound when the step runs)."""
+    _worker.key = tf.cast(worker, tf.int32)
+    applied = PATCH.applied
+    PATCH.apply()
+    try:
+        yield
+    finally:
+        _worker.key = None
+        if not applied:
+            PATCH.restore()
+
+
+def _atomic_next(self, ordered: bool) -> tf.Tensor:
+    """Keras's `next`, with the ordered increment as one atomic add on the variable."""
+    if not ordered:
+        return None
+    increment = tf.constant([0, 1], self.state.dtype)
+    return self.state._value.assign_add(increment, read_value=True) - increment
+
+
 def _per_replica_seed(original):
     def next(self, ordered=True):  # noqa: A001 - Keras's name
+        key = getattr(_worker, "key", None)
+        if key is not None:
+            seed = _atomic_next(self, ordered)
+            seed = original(self, ordered=ordered) if seed is None else seed
+            return fold_replica(seed, key)
         seed = original(self, ordered=ordered)
         rid = replica_index()
         return seed if rid is None else fold_replica(seed, rid)

@@ -242,12 +242,14 @@ def class_diversity(
     def small(images):
         return tf.image.resize(np.asarray(images, np.float32), [size, size], method="area").numpy()
 
+    for c in classes:
+        fakes, reals = int(np.sum(labels == c)), int(np.sum(real_labels == c))
+        if fakes < 2 or reals < 2:
+            raise ValueError(f"class {c}: need at least 2 samples and 2 real images, got "
+                             f"{fakes} and {reals}")
     ratios = []
     for c in classes:
         fake, real = samples[labels == c][:per_class], real_images[real_labels == c][:per_class]
-        if len(fake) < 2 or len(real) < 2:
-            raise ValueError(f"class {c}: need at least 2 samples and 2 real images, got "
-                             f"{len(fake)} and {len(real)}")
         ratios.append(_mean_pairwise_distance(small(fake)) / _mean_pairwise_distance(small(real)))
     return np.asarray(ratios)
 
