@@ -72,11 +72,11 @@ class DropoutRecorder(keras.Model):
     def train_step(self, data):
         mask = self.dropout(tf.ones([128]), training=True)
 
-        def record(w):  # only worker w writes its variables, one step at a time
+        def record(w):  # only worker w writes its variables; atomic adds, no lost update
             def write():
-                i = self.counts[w].value
-                self.masks[w].assign(tf.tensor_scatter_nd_update(self.masks[w].value, [[i]], [mask]))
-                self.counts[w].assign(i + 1)
+                i = self.counts[w].assign_add(1) - 1
+                row = tf.one_hot(i, self.masks[w].shape[0])[:, None] * mask[None, :]
+                self.masks[w].assign_add(row)
                 return tf.constant(0)
 
             return write
@@ -87,14 +87,14 @@ class DropoutRecorder(keras.Model):
 
 
 def dropout_masks_by_worker(strategy) -> list[list]:
-    """Each worker's keep-masks over 20 steps of fit (2 per execution), as 0/1 lists."""
+    """Each worker's dropout outputs on ones (0 or 2) over 20 steps of fit (2 per execution)."""
     with strategy.scope():
         model = DropoutRecorder(strategy.num_workers, 20)
         model.build((None, 2))
         model.compile(steps_per_execution=2)
     model.fit(strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16), epochs=1,
               steps_per_epoch=20, verbose=0)
-    return [(m.numpy()[: int(c.numpy())] > 0).astype(int).tolist() for m, c in zip(model.masks, model.counts)]
+    return [m.numpy()[: int(c.numpy())].tolist() for m, c in zip(model.masks, model.counts)]
 
 
 def build_model() -> keras.Model:

@@ -104,8 +104,8 @@ def dropout_masks(strategy=None, steps: int = 2, seed: int = 7) -> list[list[np.
     return [[np.asarray(v) > 0 for v in strategy.experimental_local_results(step())] for _ in range(steps)]
 
 
-def assert_chance_agreement(a: np.ndarray, b: np.ndarray) -> None:
+def assert_chance_agreement(a: np.ndarray, b: np.ndarray, what: str = "") -> None:
     """Independent keep-masks of rate 0.5 agree on a Binomial(size, 1/2) / size fraction of
     their elements: within 6 standard deviations of 1/2 (identical masks agree on all)."""
     agree = float(np.mean(a == b))
-    assert abs(agree - 0.5) < 3.0 / np.sqrt(a.size), f"masks agree on {agree:.3f} of their elements"
+    assert abs(agree - 0.5) < 3.0 / np.sqrt(a.size), f"{what} masks agree on {agree:.3f} of their elements"

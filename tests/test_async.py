@@ -240,9 +240,16 @@ def test_fit_evaluate_predict_and_save(start_job):
     masks = [np.array(m) for m in report["dropout_masks"]]
     assert sum(len(m) for m in masks) == 20 and all(len(m) >= 1 for m in masks), [len(m) for m in masks]
     every = np.concatenate(masks)
+    assert set(np.unique(every)) <= {0.0, 2.0}, np.unique(every)  # one mask per row
+    worker = np.repeat(np.arange(len(masks)), [len(m) for m in masks])
     for i in range(len(every)):
         for j in range(i + 1, len(every)):
-            assert_chance_agreement(every[i], every[j])
+            assert_chance_agreement(every[i] > 0, every[j] > 0, f"steps {i}, {j} of workers {worker[[i, j]]}")
+    # Worker 0 draws Keras's own stream (seed state [7, counter]); worker 1 another one.
+    dropout = keras.layers.Dropout(0.5, seed=7)
+    keras_stream = {dropout(np.ones(128, "float32"), training=True).numpy().tobytes() for _ in range(40)}
+    assert all(m.astype("float32").tobytes() in keras_stream for m in masks[0])
+    assert not any(m.astype("float32").tobytes() in keras_stream for m in masks[1])
 
 
 def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):

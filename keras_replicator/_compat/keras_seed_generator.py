@@ -43,7 +43,6 @@ worker (whose steps run one at a time) the counter only grows.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import keras
@@ -68,11 +67,19 @@ def replica_index() -> tf.Tensor | None:
 def fold_replica(seed: tf.Tensor, rid: tf.Tensor) -> tf.Tensor:
     """`seed` for replica 0, `stateless_fold_in(seed, rid)` (same dtype) for the others."""
     seed = tf.convert_to_tensor(seed)
-    folded = tf.cast(tf.random.experimental.stateless_fold_in(seed, rid), seed.dtype)
+    # int32, as Keras's TensorFlow backend makes its seeds (XLA takes no int64 seed).
+    seed32 = seed if seed.dtype == tf.int32 else tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    folded = tf.cast(tf.random.experimental.stateless_fold_in(seed32, rid), seed.dtype)
     return tf.where(tf.equal(rid, 0), seed, folded)
 
 
-_worker = threading.local()
+class _Worker:
+    # Not thread-local: TensorFlow traces the step's replica function in a thread of its own
+    # (mirrored_run), and the chief traces one step function at a time.
+    key: tf.Tensor | None = None
+
+
+_worker = _Worker()
 
 
 @contextlib.contextmanager
@@ -100,7 +107,7 @@ def _atomic_next(self, ordered: bool) -> tf.Tensor:
 
 def _per_replica_seed(original):
     def next(self, ordered=True):  # noqa: A001 - Keras's name
-        key = getattr(_worker, "key", None)
+        key = _worker.key
         if key is not None:
             seed = _atomic_next(self, ordered)
             seed = original(self, ordered=ordered) if seed is None else seed
