@@ -292,8 +292,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Also applies keras_replicator's scoped patches while it is entered (see
         `keras_replicator._compat`): plain Keras `BatchNormalization` keeps its
-        moving statistics identical across replicas, and all-reduces get a
-        gradient that is cheap to trace.
+        moving statistics identical across replicas, all-reduces get a
+        gradient that is cheap to trace, and Keras random ops (dropout,
+        augmentation layers) draw independently on every replica.
 
         Example:
             ```python

@@ -63,6 +63,48 @@ class CountingModel(keras.Sequential):
         return logs
 
 
+class DropoutRecorder(keras.Model):
+    """Keeps every keep-mask of `Dropout(0.5)` each worker drew, in that worker's own variables."""
+
+    def __init__(self, num_workers: int, max_steps: int, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+        self.dropout = keras.layers.Dropout(0.5, seed=7)
+        self.masks = [keras.Variable(np.zeros((max_steps, 128), "float32"), trainable=False)
+                      for _ in range(num_workers)]
+        self.counts = [keras.Variable(0, dtype="int32", trainable=False) for _ in range(num_workers)]
+
+    def call(self, x):
+        return self.dense(tf.cast(x, "float32"))
+
+    def train_step(self, data):
+        mask = self.dropout(tf.ones([128]), training=True)
+
+        def record(w):  # only worker w writes its variables; atomic adds, no lost update
+            def write():
+                i = self.counts[w].assign_add(1) - 1
+                row = tf.one_hot(i, self.masks[w].shape[0])[:, None] * mask[None, :]
+                self.masks[w].assign_add(row)
+                return tf.constant(0)
+
+            return write
+
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        tf.switch_case(tf.cast(worker, tf.int32), [record(w) for w in range(len(self.masks))])
+        return {"kept": tf.reduce_mean(mask)}
+
+
+def dropout_masks_by_worker(strategy) -> list[list]:
+    """Each worker's dropout outputs on ones (0 or 2) over 20 steps of fit (2 per execution)."""
+    with strategy.scope():
+        model = DropoutRecorder(strategy.num_workers, 20)
+        model.build((None, 2))
+        model.compile(steps_per_execution=2)
+    model.fit(strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16), epochs=1,
+              steps_per_epoch=20, verbose=0)
+    return [m.numpy()[: int(c.numpy())].tolist() for m, c in zip(model.masks, model.counts)]
+
+
 def build_model() -> keras.Model:
     keras.utils.set_random_seed(1)
     return CountingModel(
@@ -147,6 +189,7 @@ def fit_mode(strategy, out: str) -> dict:
         except Exception as e:  # noqa: BLE001 (reported to the test)
             errors[name] = f"{type(e).__name__}: {e}"
     report["errors"] = errors
+    report["dropout_masks"] = dropout_masks_by_worker(strategy)
     # Whole tensors out of the sharded embedding, and back into a model outside the cluster.
     path = os.path.join(out, "model.keras")
     model.save(path)

@@ -26,7 +26,7 @@ import keras_replicator as kr
 from keras_replicator import cluster
 from keras_replicator.launch import free_ports
 from tests import async_job as job
-from tests.helpers import ROOT, python_blocks
+from tests.helpers import ROOT, assert_chance_agreement, python_blocks
 
 JOB = os.path.join(ROOT, "tests", "async_job.py")
 
@@ -235,6 +235,21 @@ def test_fit_evaluate_predict_and_save(start_job):
     assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ValueError")
     assert "no per_replica_batch_size was given" in errors["unbatched"]
     assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
+    # Dropout: every step's keep-mask is its own, across workers and steps (masks of 128
+    # entries agree only at chance level; none repeats, which a shared draw would).
+    masks = [np.array(m) for m in report["dropout_masks"]]
+    assert sum(len(m) for m in masks) == 20 and all(len(m) >= 1 for m in masks), [len(m) for m in masks]
+    every = np.concatenate(masks)
+    assert set(np.unique(every)) <= {0.0, 2.0}, np.unique(every)  # one mask per row
+    worker = np.repeat(np.arange(len(masks)), [len(m) for m in masks])
+    for i in range(len(every)):
+        for j in range(i + 1, len(every)):
+            assert_chance_agreement(every[i] > 0, every[j] > 0, f"steps {i}, {j} of workers {worker[[i, j]]}")
+    # Worker 0 draws Keras's own stream (seed state [7, counter]); worker 1 another one.
+    dropout = keras.layers.Dropout(0.5, seed=7)
+    keras_stream = {dropout(np.ones(128, "float32"), training=True).numpy().tobytes() for _ in range(40)}
+    assert all(m.astype("float32").tobytes() in keras_stream for m in masks[0])
+    assert not any(m.astype("float32").tobytes() in keras_stream for m in masks[1])
 
 
 def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):

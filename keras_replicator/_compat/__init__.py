@@ -19,7 +19,8 @@ installed version is outside the range a module was checked on.
 | `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, a private mark on the epoch iterator | installed patch, ours only: the first epoch after a mid-epoch restore skips the steps already done | Keras 3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
-| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
+| `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
+| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -56,6 +57,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "preemption": ("tensorflow", "2.21", "2.21"),
     "mid_epoch_resume": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
+    "keras_seed_generator": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
 }
@@ -141,9 +143,15 @@ def uninstall() -> None:
 
 @functools.cache
 def _strategy_scope():
-    from keras_replicator._compat import all_reduce_gradient, keras_batch_norm, patching
+    from keras_replicator._compat import (
+        all_reduce_gradient,
+        keras_batch_norm,
+        keras_seed_generator,
+        patching,
+    )
 
-    return patching.Patches([all_reduce_gradient.PATCH, keras_batch_norm.PATCH])
+    return patching.Patches([all_reduce_gradient.PATCH, keras_batch_norm.PATCH,
+                             keras_seed_generator.PATCH])
 
 
 def strategy_scope_patches() -> contextlib.AbstractContextManager[None]:

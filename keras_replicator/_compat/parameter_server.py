@@ -40,7 +40,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-from keras_replicator._compat import patching
+from keras_replicator._compat import keras_seed_generator, patching
 from keras_replicator._compat.patching import ScopedPatch
 from keras_replicator._validation import check_int
 
@@ -167,7 +167,10 @@ def _train_function(model, strategy):
 
     @tf.function
     def train_function(iterator, steps):
-        with atomic_variable_updates():
+        # The index of the worker running this closure (a value bound when it runs: the
+        # function is traced once, on the chief): random draws differ across workers.
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        with atomic_variable_updates(), keras_seed_generator.folded_with_worker(worker):
             outputs = strategy.run(model.train_step, args=(next(iterator),))
             outputs = tf.nest.map_structure(functools.partial(_first, strategy), outputs)
             for _ in tf.range(steps - 1):

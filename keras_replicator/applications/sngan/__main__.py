@@ -21,7 +21,9 @@ checkpoint to resume, so `OUT` must be a folder they share.
 
 Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (one
 record per evaluation interval: `step`, the losses, FID and Inception Score, on digits the
-`class_accuracy` of the samples, `seconds` since this invocation started and `train_seconds`,
+`class_accuracy` of the samples and their `class_diversity` (per class, 8x8 within-class
+distance over real digits') with its minimum `worst_class_diversity`, `seconds` since this
+invocation started and `train_seconds`,
 the run's time spent in training steps, summed over resumes: without the evaluations, the
 checkpoints and each invocation's first step, which traces and builds the step's graph) and
 `OUT/samples.png` (one row per class).

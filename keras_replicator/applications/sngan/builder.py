@@ -161,8 +161,9 @@ def resume(config: RunConfig, gan, strategy) -> int:
 
 def evaluate(config: RunConfig, cfg: models.SNGANConfig, gan, strategy, run_data: RunData,
              step: int) -> dict:
-    """FID, Inception Score and (on digits) the class accuracy of generated samples (``cfg``: the
-    networks' configuration, for metrics that draw latents themselves)."""
+    """FID, Inception Score and (on digits) the class accuracy and per-class diversity of
+    generated samples (``cfg``: the networks' configuration, for metrics that draw latents
+    themselves)."""
     if run_data.extractor is None:
         return {}
     with strategy.scope():
@@ -178,7 +179,22 @@ def evaluate(config: RunConfig, cfg: models.SNGANConfig, gan, strategy, run_data
     if config.dataset == "digits":
         # The classifier of real digits names the class asked for.
         record["class_accuracy"] = float(np.mean(np.argmax(probs, 1) == asked))
+        # Within-class diversity (8x8) over real digits', every class: a mean over classes
+        # would hide one collapsed class.
+        ratios = _class_diversity(sampler, cfg.z_dim, run_data.images, run_data.labels,
+                                  config.seed + step)
+        record["worst_class_diversity"] = float(ratios.min())
+        record["class_diversity"] = [round(float(r), 4) for r in ratios]
     return record
+
+
+def _class_diversity(sampler, z_dim: int, x, y, seed: int, per_class: int = 100):
+    """`metrics.class_diversity` of `per_class` samples of each digit (latents from `seed`)."""
+    classes = int(y.max()) + 1
+    z = np.random.default_rng(seed).standard_normal((classes * per_class, z_dim)).astype("float32")
+    labels = np.repeat(np.arange(classes, dtype=np.int32), per_class)
+    samples = sampler([z, labels], training=False).numpy()
+    return metrics.class_diversity(samples, labels, x, y, per_class=per_class)
 
 
 class Interval(keras.callbacks.Callback):
@@ -228,7 +244,8 @@ class Interval(keras.callbacks.Callback):
         write_state(_checkpoint(self.config), self.gan, step)
         if chief:
             print("step {step}: ".format(**record) + ", ".join(
-                f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
+                f"{k} {v:.4g}" if k != "class_diversity" else f"{k} {v}"
+                for k, v in record.items() if k != "step"), flush=True)
 
 
 def fit(config: RunConfig, gan, train, interval: Interval, done: int) -> None:

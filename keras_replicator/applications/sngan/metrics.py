@@ -26,6 +26,7 @@ from keras_replicator import collectives
 from keras_replicator._validation import check_int
 
 __all__ = [
+    "class_diversity",
     "classifier_extractor",
     "digits_classifier",
     "frechet_distance",
@@ -202,6 +203,55 @@ def train_digits_classifier(
     with _on_one_device_on_purpose():
         model.fit(x, y, batch_size=64, epochs=epochs, verbose=0)
     return model
+
+
+def _mean_pairwise_distance(images: np.ndarray) -> float:
+    flat = images.reshape(len(images), -1).astype(np.float64)
+    squared = np.sum((flat[:, None] - flat[None]) ** 2, -1)
+    return float(np.sqrt(np.maximum(squared[np.triu_indices(len(flat), 1)], 0)).mean())
+
+
+def class_diversity(
+    samples: np.ndarray,
+    labels: np.ndarray,
+    real_images: np.ndarray,
+    real_labels: np.ndarray,
+    *,
+    size: int = 8,
+    per_class: int = 100,
+) -> np.ndarray:
+    """Per class: the samples' within-class diversity relative to real images of the class.
+
+    For class `c`, the mean pairwise Euclidean distance between (up to `per_class`) samples
+    asked for `c`, over that between the first `per_class` real images of `c`, both resized
+    to `size x size` (area averaging; digits are 8x8 originally). 1.0 is as varied as the real
+    class; a class collapsing to one image goes to 0. A mean over classes hides one collapsed
+    class: look at the minimum.
+
+    Example:
+        ```python
+        ratios = class_diversity(samples, asked, x, y)   # one ratio per class
+        worst = ratios.min()
+        ```
+    """
+    size = check_int("size", size, minimum=1)
+    per_class = check_int("per_class", per_class, minimum=2)
+    labels, real_labels = np.asarray(labels), np.asarray(real_labels)
+    classes = np.unique(real_labels)
+
+    def small(images):
+        return tf.image.resize(np.asarray(images, np.float32), [size, size], method="area").numpy()
+
+    for c in classes:
+        fakes, reals = int(np.sum(labels == c)), int(np.sum(real_labels == c))
+        if fakes < 2 or reals < 2:
+            raise ValueError(f"class {c}: need at least 2 samples and 2 real images, got "
+                             f"{fakes} and {reals}")
+    ratios = []
+    for c in classes:
+        fake, real = samples[labels == c][:per_class], real_images[real_labels == c][:per_class]
+        ratios.append(_mean_pairwise_distance(small(fake)) / _mean_pairwise_distance(small(real)))
+    return np.asarray(ratios)
 
 
 def real_features(extractor: keras.Model, images: np.ndarray, batch_size: int = 256):
