@@ -16,6 +16,7 @@ installed version is outside the range a module was checked on.
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
+| `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; permanent check | Keras 3.15 |
@@ -45,6 +46,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
+    "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
 }

@@ -1,0 +1,192 @@
+"""Ray Train's `TensorflowTrainer` with `ReplicatorStrategy`, on one local Ray instance on 127.0.0.1.
+
+Two workers of one CPU each; the train loops are in tests/ray_train_job.py. Checked: the same
+weights as the same job under ``keras-replicator launch`` (and one device); a worker SIGKILLed
+mid-run with ``FailureConfig(max_failures=1)`` -> every epoch runs, resumed from Ray's
+checkpoint; a Ray Data shard per worker fed to ``fit`` is seen exactly once over the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_replicator import ray_train
+from tests import ray_train_job
+from tests.helpers import LAUNCHED_JOB_BATCH, LAUNCHED_JOB_EXAMPLES, ROOT, dense_model, regression_data
+
+pytestmark = pytest.mark.devices(1)  # the driver trains nothing; Ray's workers set their own devices
+
+EPOCHS = 3
+WORKERS = 2
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of `pid`: {pid: command name}, from ps."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out.splitlines():
+        p, pp, name = line.split(None, 2)
+        children.setdefault(int(pp), []).append((int(p), name.strip()))
+    found, todo = {}, [pid]
+    while todo:
+        for child, name in children.get(todo.pop(), []):
+            found[child] = name
+            todo.append(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray():
+    """One Ray instance for the module, on 127.0.0.1; nothing of it is left afterwards."""
+    ray = ray_train.init_local(num_cpus=4)
+    started: dict[int, str] = {}
+    try:
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+        started = _descendants(os.getpid())
+        assert {"raylet", "gcs_server"} <= set(started.values()), started
+        yield ray
+    finally:
+        started.update(_descendants(os.getpid()))
+        ray.shutdown()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(started):
+            time.sleep(0.5)
+        left = _alive(started)
+        for pid in left:
+            _kill(pid)
+    assert not left, f"processes Ray left behind: {left}"
+    assert not {"raylet", "gcs_server"} & set(_descendants(os.getpid()).values())
+
+
+def _alive(pids: dict[int, str]) -> dict[int, str]:
+    now = _descendants(os.getpid())
+    return {p: n for p, n in pids.items() if p in now}
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _fit(loop, config: dict, storage, max_failures: int = 0, datasets=None):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    trainer = TensorflowTrainer(
+        loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(storage), name="job",
+                             failure_config=FailureConfig(max_failures=max_failures)),
+        datasets=datasets,
+    )
+    return trainer.fit()
+
+
+def _reports(out, attempt: int) -> list[dict]:
+    reports = []
+    for rank in range(WORKERS):
+        with open(os.path.join(out, f"attempt{attempt}.worker{rank}.json")) as f:
+            reports.append(json.load(f))
+    return reports
+
+
+def _launched_weights(out) -> list[np.ndarray]:
+    """tests/launched_job.py under `keras-replicator launch --workers 2` (one device each)."""
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", str(WORKERS),
+               "--devices-per-worker", "1", "--timeout", "300", os.path.join(ROOT, "tests", "launched_job.py"),
+               str(out), str(EPOCHS)]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(out, "worker0.restart0.json")) as f:
+        return [np.asarray(w) for w in json.load(f)["weights"]]
+
+
+def _one_device_weights() -> list[np.ndarray]:
+    x, y = regression_data(LAUNCHED_JOB_EXAMPLES)
+    model = dense_model()
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.fit(x, y, batch_size=LAUNCHED_JOB_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _max_gap(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+def test_two_ray_workers_train_as_the_launcher_does(ray, tmp_path):
+    out = tmp_path / "ray"
+    out.mkdir()
+    result = _fit(ray_train_job.regression_loop, {"out": str(out), "epochs": EPOCHS}, tmp_path / "storage")
+    assert result.error is None
+    reports = _reports(out, 0)
+    for rank, report in enumerate(reports):
+        # Ray's backend gave each worker its TF_CONFIG on 127.0.0.1 and TF_USE_LEGACY_KERAS=1.
+        assert report["tf_config"]["task"] == {"type": "worker", "index": rank}
+        assert all(a.startswith("127.0.0.1:") for a in report["tf_config"]["cluster"]["worker"])
+        assert report["worker_index"] == rank and report["num_workers"] == WORKERS
+        assert report["legacy_keras_env"] == "1" and report["tf_keras_is_keras"]
+        assert report["epochs_run"] == list(range(EPOCHS)) and report["restored_epoch"] is None
+    np.testing.assert_array_equal(np.concatenate([np.ravel(w) for w in reports[0]["weights"]]),
+                                  np.concatenate([np.ravel(w) for w in reports[1]["weights"]]))
+    launched = _launched_weights(tmp_path / "launched")
+    gap = _max_gap(reports[0]["weights"], launched)
+    print(f"max |Ray - launcher| = {gap:.3g}; max |Ray - one device| = "
+          f"{_max_gap(reports[0]['weights'], _one_device_weights()):.3g}")
+    assert gap <= 1e-6
+    for got, want in zip(reports[0]["weights"], _one_device_weights()):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    # Ray's checkpoint is the chief's last epoch: the final weights, loadable into the model.
+    model = dense_model()
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    with result.checkpoint.as_directory() as directory:
+        model.load_weights(os.path.join(directory, ray_train.WEIGHTS_FILE))
+    assert _max_gap(model.get_weights(), reports[0]["weights"]) == 0.0
+    assert result.metrics["epoch"] == EPOCHS - 1 and result.metrics["loss"] > 0
+
+
+def test_a_killed_worker_resumes_from_the_checkpoint(ray, tmp_path):
+    out = tmp_path / "ray"
+    out.mkdir()
+    config = {"out": str(out), "epochs": EPOCHS, "kill_at_epoch": 2}
+    result = _fit(ray_train_job.regression_loop, config, tmp_path / "storage", max_failures=1)
+    assert result.error is None
+    assert not os.path.exists(out / "attempt0.worker1.json")  # worker 1 died in the first attempt
+    resumed = _reports(out, 1)
+    for report in resumed:
+        # The restart loaded the checkpoint of epoch 1 and ran only epoch 2.
+        assert report["restored_epoch"] == 2 and report["epochs_run"] == [2]
+    assert resumed[0]["weights"] == resumed[1]["weights"]
+    gap = _max_gap(resumed[0]["weights"], _one_device_weights())
+    print(f"max |resumed Ray run - one device| = {gap:.3g}")
+    for got, want in zip(resumed[0]["weights"], _one_device_weights()):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_ray_data_shard_per_worker_is_seen_once(ray, tmp_path):
+    examples, global_batch, epochs = 48, 8, 2
+    rows = [{"x": np.array([i], np.float32), "y": np.array([0.5], np.float32)} for i in range(examples)]
+    dataset = ray.data.from_items(rows)
+    config = {"out": str(tmp_path), "epochs": epochs, "global_batch": global_batch}
+    result = _fit(ray_train_job.ray_data_loop, config, tmp_path / "storage", datasets={"train": dataset})
+    assert result.error is None
+    reports = _reports(tmp_path, 0)
+    for epoch in range(epochs):
+        per_worker = [r["ids_per_epoch"][epoch] for r in reports]
+        everything = [i for ids in per_worker for i in ids]
+        assert sorted(everything) == list(range(examples)), per_worker  # once each, none missing
+        assert all(len(ids) == examples // WORKERS for ids in per_worker)
+    assert reports[0]["loss"] == reports[1]["loss"]  # one job: the same reduced loss on both
