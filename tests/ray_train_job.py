@@ -12,6 +12,18 @@ import os
 import signal
 import time
 
+_STRATEGY = []
+
+
+def _strategy():
+    """This worker's ReplicatorStrategy, made once per process (both loops of a run share it)."""
+    import keras_replicator as kr
+
+    if not _STRATEGY:
+        kr.simulate_devices(1)
+        _STRATEGY.append(kr.ReplicatorStrategy(failure_timeout=10))
+    return _STRATEGY[0]
+
 
 def _report(config: dict, rank: int, attempt: int, **fields) -> None:
     path = os.path.join(config["out"], f"attempt{attempt}.worker{rank}.json")
@@ -33,11 +45,14 @@ def regression_loop(config: dict) -> None:
     import ray.train
     import tensorflow as tf
 
-    import keras_replicator as kr
-    from tests.helpers import LAUNCHED_JOB_BATCH, LAUNCHED_JOB_EXAMPLES, dense_model, regression_data
+    from tests.helpers import (
+        LAUNCHED_JOB_BATCH,
+        LAUNCHED_JOB_EXAMPLES,
+        dense_model,
+        regression_data,
+    )
 
-    kr.simulate_devices(1)
-    strategy = kr.ReplicatorStrategy(failure_timeout=10)
+    strategy = _strategy()
     rank = ray.train.get_context().get_world_rank()
     attempt = 0 if ray.train.get_checkpoint() is None else 1
     x, y = regression_data(LAUNCHED_JOB_EXAMPLES)
@@ -67,6 +82,12 @@ def regression_loop(config: dict) -> None:
     )
 
 
+def regression_and_ray_data_loop(config: dict) -> None:
+    """`regression_loop`, then `ray_data_loop` in the same workers (one start of TensorFlow)."""
+    regression_loop(config)
+    ray_data_loop(config)
+
+
 def ray_data_loop(config: dict) -> None:
     """`fit` on this worker's Ray Data shard; records the example ids each step fed to the model."""
     from keras_replicator import ray_train
@@ -77,10 +98,7 @@ def ray_data_loop(config: dict) -> None:
     import ray.train
     import tensorflow as tf
 
-    import keras_replicator as kr
-
-    kr.simulate_devices(1)
-    strategy = kr.ReplicatorStrategy(failure_timeout=10)
+    strategy = _strategy()
     rank = ray.train.get_context().get_world_rank()
     seen: list[list[int]] = []
 
@@ -104,5 +122,6 @@ def ray_data_loop(config: dict) -> None:
     with strategy.scope():
         model = keras.Sequential([keras.Input((1,)), RecordIds(), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.01), "mse")
-    history = model.fit(train, epochs=config["epochs"], verbose=0, callbacks=[Epochs()])
-    _report(config, rank, 0, ids_per_epoch=seen, loss=history.history["loss"])
+    history = model.fit(train, epochs=config["data_epochs"], verbose=0, callbacks=[Epochs()])
+    with open(os.path.join(config["out"], f"ray_data.worker{rank}.json"), "w") as f:
+        json.dump({"ids_per_epoch": seen, "loss": history.history["loss"]}, f)

@@ -20,12 +20,20 @@ import pytest
 
 from keras_replicator import ray_train
 from tests import ray_train_job
-from tests.helpers import LAUNCHED_JOB_BATCH, LAUNCHED_JOB_EXAMPLES, ROOT, dense_model, regression_data
+from tests.helpers import (
+    LAUNCHED_JOB_BATCH,
+    LAUNCHED_JOB_EXAMPLES,
+    ROOT,
+    dense_model,
+    python_blocks,
+    regression_data,
+)
 
 pytestmark = pytest.mark.devices(1)  # the driver trains nothing; Ray's workers set their own devices
 
 EPOCHS = 3
 WORKERS = 2
+DATA_EXAMPLES, DATA_BATCH, DATA_EPOCHS = 48, 8, 2
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -69,8 +77,16 @@ def ray():
 
 
 def _alive(pids: dict[int, str]) -> dict[int, str]:
-    now = _descendants(os.getpid())
-    return {p: n for p, n in pids.items() if p in now}
+    """Those of `pids` still running under the same name (re-parented ones too)."""
+    alive = {}
+    for pid, name in pids.items():
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name[:15]:
+                    alive[pid] = name
+        except OSError:
+            pass
+    return alive
 
 
 def _kill(pid: int) -> None:
@@ -103,16 +119,46 @@ def _reports(out, attempt: int) -> list[dict]:
     return reports
 
 
-def _launched_weights(out) -> list[np.ndarray]:
+def _start_launcher(out) -> subprocess.Popen:
     """tests/launched_job.py under `keras-replicator launch --workers 2` (one device each)."""
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", str(WORKERS),
                "--devices-per-worker", "1", "--timeout", "300", os.path.join(ROOT, "tests", "launched_job.py"),
                str(out), str(EPOCHS)]
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
-    assert result.returncode == 0, result.stderr[-3000:]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _launched_weights(job: subprocess.Popen, out) -> list[np.ndarray]:
+    try:
+        _, stderr = job.communicate(timeout=360)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
     with open(os.path.join(out, "worker0.restart0.json")) as f:
         return [np.asarray(w) for w in json.load(f)["weights"]]
+
+
+@pytest.fixture(scope="module")
+def run(ray, tmp_path_factory):
+    """One Ray Train run: the launcher's job, then `fit` on Ray Data shards, in the same workers.
+
+    The same job under `keras-replicator launch` runs alongside it.
+    """
+    tmp = tmp_path_factory.mktemp("ray_run")
+    launched = tmp / "launched"
+    launched.mkdir()
+    job = _start_launcher(launched)
+    try:
+        rows = [{"x": np.array([i], np.float32), "y": np.array([0.5], np.float32)} for i in range(DATA_EXAMPLES)]
+        config = {"out": str(tmp), "epochs": EPOCHS, "data_epochs": DATA_EPOCHS, "global_batch": DATA_BATCH}
+        result = _fit(ray_train_job.regression_and_ray_data_loop, config, tmp / "storage",
+                      datasets={"train": ray.data.from_items(rows)})
+    finally:
+        launched_weights = _launched_weights(job, launched)
+    return tmp, result, launched_weights
 
 
 def _one_device_weights() -> list[np.ndarray]:
@@ -127,10 +173,8 @@ def _max_gap(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
 
 
-def test_two_ray_workers_train_as_the_launcher_does(ray, tmp_path):
-    out = tmp_path / "ray"
-    out.mkdir()
-    result = _fit(ray_train_job.regression_loop, {"out": str(out), "epochs": EPOCHS}, tmp_path / "storage")
+def test_two_ray_workers_train_as_the_launcher_does(run):
+    out, result, launched = run
     assert result.error is None
     reports = _reports(out, 0)
     for rank, report in enumerate(reports):
@@ -142,7 +186,6 @@ def test_two_ray_workers_train_as_the_launcher_does(ray, tmp_path):
         assert report["epochs_run"] == list(range(EPOCHS)) and report["restored_epoch"] is None
     np.testing.assert_array_equal(np.concatenate([np.ravel(w) for w in reports[0]["weights"]]),
                                   np.concatenate([np.ravel(w) for w in reports[1]["weights"]]))
-    launched = _launched_weights(tmp_path / "launched")
     gap = _max_gap(reports[0]["weights"], launched)
     print(f"max |Ray - launcher| = {gap:.3g}; max |Ray - one device| = "
           f"{_max_gap(reports[0]['weights'], _one_device_weights()):.3g}")
@@ -176,17 +219,62 @@ def test_a_killed_worker_resumes_from_the_checkpoint(ray, tmp_path):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_a_ray_data_shard_per_worker_is_seen_once(ray, tmp_path):
-    examples, global_batch, epochs = 48, 8, 2
-    rows = [{"x": np.array([i], np.float32), "y": np.array([0.5], np.float32)} for i in range(examples)]
-    dataset = ray.data.from_items(rows)
-    config = {"out": str(tmp_path), "epochs": epochs, "global_batch": global_batch}
-    result = _fit(ray_train_job.ray_data_loop, config, tmp_path / "storage", datasets={"train": dataset})
+def test_a_ray_data_shard_per_worker_is_seen_once(run):
+    out, result, _ = run
     assert result.error is None
-    reports = _reports(tmp_path, 0)
-    for epoch in range(epochs):
+    reports = []
+    for rank in range(WORKERS):
+        with open(os.path.join(out, f"ray_data.worker{rank}.json")) as f:
+            reports.append(json.load(f))
+    for epoch in range(DATA_EPOCHS):
         per_worker = [r["ids_per_epoch"][epoch] for r in reports]
         everything = [i for ids in per_worker for i in ids]
-        assert sorted(everything) == list(range(examples)), per_worker  # once each, none missing
-        assert all(len(ids) == examples // WORKERS for ids in per_worker)
+        assert sorted(everything) == list(range(DATA_EXAMPLES)), per_worker  # once each, none missing
+        assert all(len(ids) == DATA_EXAMPLES // WORKERS for ids in per_worker)
     assert reports[0]["loss"] == reports[1]["loss"]  # one job: the same reduced loss on both
+
+
+def test_the_guides_program_runs_as_written(ray, tmp_path):
+    """docs/ray.md's complete program, in a fresh interpreter (its own Ray instance on 127.0.0.1)."""
+    code = python_blocks("docs/ray.md")[0]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the program sets it itself
+    job = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started: dict[int, str] = {}
+    deadline = time.monotonic() + 400
+    try:
+        while job.poll() is None and time.monotonic() < deadline:
+            started.update(_descendants(job.pid))
+            time.sleep(1)
+        stdout, stderr = job.communicate(timeout=1 if job.poll() is None else None)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+        wait = time.monotonic() + 30
+        while time.monotonic() < wait and _alive(started):
+            time.sleep(0.5)
+        left = _alive(started)
+        for pid in left:
+            _kill(pid)
+    assert job.returncode == 0, stderr[-3000:]
+    assert {"raylet", "gcs_server"} <= set(started.values()) and not left, left
+    words = stdout.split()
+    assert words[:2] == ["epoch", "3"], stdout
+    loss, mse = float(words[3]), float(words[5])
+    print(f"guide: loss {loss}, mse {mse}")
+    assert mse < 0.5 * float(np.var(np.sum(np.random.default_rng(0).normal(size=(512, 8)), axis=1)))
+
+
+def test_keras_replicator_imports_no_ray_and_names_the_extra(monkeypatch):
+    code = ("import sys, keras_replicator\nfrom keras_replicator import ray_train\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"), timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "ray.train", None)  # as if ray[train] were not installed
+    with pytest.raises(ImportError, match=r'pip install "keras-replicator\[ray\]"'):
+        ray_train.ReportCheckpoint()
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        ray_train.ReportCheckpoint(checkpoint_every=-1)
