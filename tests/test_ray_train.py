@@ -234,7 +234,7 @@ def test_a_ray_data_shard_per_worker_is_seen_once(run):
     assert reports[0]["loss"] == reports[1]["loss"]  # one job: the same reduced loss on both
 
 
-def test_the_guides_program_runs_as_written(ray, tmp_path):
+def test_the_guides_program_runs_as_written(tmp_path):
     """docs/ray.md's complete program, in a fresh interpreter (its own Ray instance on 127.0.0.1)."""
     code = python_blocks("docs/ray.md")[0]
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
