@@ -57,6 +57,7 @@ __all__ = [
     "INSTALL_HINT",
     "LOOPBACK_ENV",
     "ReportCheckpoint",
+    "WEIGHTS_FILE",
     "dataset_shard",
     "init_local",
     "undo_legacy_keras",
@@ -69,6 +70,7 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """Set before Ray starts (driver and `runtime_env`): Ray 2.60 then registers 127.0.0.1 only."""
 
 WEIGHTS_FILE = "model.weights.h5"
+"""The file of a `ReportCheckpoint` checkpoint holding the weights and the optimizer's state."""
 STATE_FILE = "keras_replicator_state.json"
 
 
@@ -115,9 +117,11 @@ def undo_legacy_keras() -> bool:
 def init_local(num_cpus: int | None = None, **kwargs: Any):
     """Starts a local Ray instance whose every socket is on 127.0.0.1; returns the `ray` module.
 
-    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set in this process before Ray starts and in the
-    `runtime_env` of every Ray worker, so that Ray 2.60 registers the node on 127.0.0.1 and
-    not the machine's network address; the node's address is checked. Stop it with
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set in this process before Ray is imported and in
+    the `runtime_env` of every Ray worker, so that Ray 2.60 listens on 127.0.0.1 and registers
+    the node there, not on the machine's network address; the node's address is checked. Ray
+    reads the variable when it is imported: call this before `import ray` (a `RuntimeError`
+    says so, before anything starts, if Ray was imported without it). Stop it with
     `ray.shutdown()`. `kwargs` go to `ray.init` (not `address` or `runtime_env`).
 
     Example:
@@ -131,6 +135,14 @@ def init_local(num_cpus: int | None = None, **kwargs: Any):
     for name in ("address", "runtime_env"):
         if name in kwargs:
             raise ValueError(f"init_local starts its own local instance; {name}= is not accepted.")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        raise RuntimeError(
+            "Ray was imported before init_local() without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, "
+            "and Ray reads it when imported: it would listen on every interface and register the "
+            "machine's network address. Call init_local() before importing ray, or set "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment before Python starts."
+        )
     os.environ.update(LOOPBACK_ENV)
     ray = _require("ray")
     _require("ray.train")

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -119,46 +120,82 @@ def _reports(out, attempt: int) -> list[dict]:
     return reports
 
 
-def _start_launcher(out) -> subprocess.Popen:
+class _Watched:
+    """A command in its own session; its descendants are recorded while it runs and reaped after."""
+
+    def __init__(self, command: list[str], cwd, env: dict[str, str]):
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.seen: dict[int, str] = {}
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            self.seen.update(_descendants(self.proc.pid))
+            time.sleep(1)
+
+    def finish(self, timeout: float) -> tuple[int, str, str, dict[int, str]]:
+        """(exit code, stdout, stderr, processes it left behind, now killed)."""
+        try:
+            stdout, stderr = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+            self._watcher.join()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _alive(self.seen):
+                time.sleep(0.5)
+            left = _alive(self.seen)
+            for pid in left:
+                _kill(pid)
+        return self.proc.returncode, stdout, stderr, left
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the guide's program sets it itself
+    return env
+
+
+def _start_launcher(out) -> _Watched:
     """tests/launched_job.py under `keras-replicator launch --workers 2` (one device each)."""
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", str(WORKERS),
-               "--devices-per-worker", "1", "--timeout", "300", os.path.join(ROOT, "tests", "launched_job.py"),
+               "--devices-per-worker", "1", "--timeout", "400", os.path.join(ROOT, "tests", "launched_job.py"),
                str(out), str(EPOCHS)]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return _Watched(command, ROOT, _env())
 
 
-def _launched_weights(job: subprocess.Popen, out) -> list[np.ndarray]:
-    try:
-        _, stderr = job.communicate(timeout=360)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, 9)
-            job.wait()
-    assert job.returncode == 0, stderr[-3000:]
-    with open(os.path.join(out, "worker0.restart0.json")) as f:
-        return [np.asarray(w) for w in json.load(f)["weights"]]
+def _start_guide(cwd) -> _Watched:
+    """docs/ray.md's complete program as written, in a fresh interpreter (its own Ray instance)."""
+    return _Watched([sys.executable, "-c", python_blocks("docs/ray.md")[0]], cwd, _env())
 
 
 @pytest.fixture(scope="module")
 def run(ray, tmp_path_factory):
     """One Ray Train run: the launcher's job, then `fit` on Ray Data shards, in the same workers.
 
-    The same job under `keras-replicator launch` runs alongside it.
+    The same job under `keras-replicator launch`, and docs/ray.md's program, run alongside it.
     """
     tmp = tmp_path_factory.mktemp("ray_run")
-    launched = tmp / "launched"
+    launched, guide_dir = tmp / "launched", tmp / "guide"
     launched.mkdir()
-    job = _start_launcher(launched)
+    guide_dir.mkdir()
+    launcher, guide = _start_launcher(launched), _start_guide(guide_dir)
     try:
         rows = [{"x": np.array([i], np.float32), "y": np.array([0.5], np.float32)} for i in range(DATA_EXAMPLES)]
         config = {"out": str(tmp), "epochs": EPOCHS, "data_epochs": DATA_EPOCHS, "global_batch": DATA_BATCH}
         result = _fit(ray_train_job.regression_and_ray_data_loop, config, tmp / "storage",
                       datasets={"train": ray.data.from_items(rows)})
     finally:
-        launched_weights = _launched_weights(job, launched)
-    return tmp, result, launched_weights
+        launcher_end = launcher.finish(timeout=420)
+        guide_end = guide.finish(timeout=420)
+    code, _, stderr, left = launcher_end
+    assert code == 0 and not left, (left, stderr[-3000:])
+    with open(os.path.join(launched, "worker0.restart0.json")) as f:
+        launched_weights = [np.asarray(w) for w in json.load(f)["weights"]]
+    return tmp, result, launched_weights, (guide_end, guide.seen)
 
 
 def _one_device_weights() -> list[np.ndarray]:
@@ -174,7 +211,7 @@ def _max_gap(a, b) -> float:
 
 
 def test_two_ray_workers_train_as_the_launcher_does(run):
-    out, result, launched = run
+    out, result, launched, _ = run
     assert result.error is None
     reports = _reports(out, 0)
     for rank, report in enumerate(reports):
@@ -220,7 +257,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint(ray, tmp_path):
 
 
 def test_a_ray_data_shard_per_worker_is_seen_once(run):
-    out, result, _ = run
+    out, result, _, _ = run
     assert result.error is None
     reports = []
     for rank in range(WORKERS):
@@ -234,45 +271,34 @@ def test_a_ray_data_shard_per_worker_is_seen_once(run):
     assert reports[0]["loss"] == reports[1]["loss"]  # one job: the same reduced loss on both
 
 
-def test_the_guides_program_runs_as_written(tmp_path):
-    """docs/ray.md's complete program, in a fresh interpreter (its own Ray instance on 127.0.0.1)."""
-    code = python_blocks("docs/ray.md")[0]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the program sets it itself
-    job = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    started: dict[int, str] = {}
-    deadline = time.monotonic() + 400
-    try:
-        while job.poll() is None and time.monotonic() < deadline:
-            started.update(_descendants(job.pid))
-            time.sleep(1)
-        stdout, stderr = job.communicate(timeout=1 if job.poll() is None else None)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, 9)
-            job.wait()
-        wait = time.monotonic() + 30
-        while time.monotonic() < wait and _alive(started):
-            time.sleep(0.5)
-        left = _alive(started)
-        for pid in left:
-            _kill(pid)
-    assert job.returncode == 0, stderr[-3000:]
-    assert {"raylet", "gcs_server"} <= set(started.values()) and not left, left
+def test_the_guides_program_runs_as_written(run):
+    """docs/ray.md's complete program, run alongside the module's Ray run (its own Ray instance)."""
+    (code, stdout, stderr, left), seen = run[3]
+    assert code == 0, stderr[-3000:]
+    assert {"raylet", "gcs_server"} <= set(seen.values()) and not left, left  # it started Ray, left nothing
     words = stdout.split()
     assert words[:2] == ["epoch", "3"], stdout
     loss, mse = float(words[3]), float(words[5])
-    print(f"guide: loss {loss}, mse {mse}")
-    assert mse < 0.5 * float(np.var(np.sum(np.random.default_rng(0).normal(size=(512, 8)), axis=1)))
+    variance = float(np.var(np.sum(np.random.default_rng(0).normal(size=(512, 8)), axis=1)))
+    print(f"guide: loss {loss}, mse {mse}, variance of y {variance:.3g}")
+    assert mse < 0.5 * variance
 
 
 def test_keras_replicator_imports_no_ray_and_names_the_extra(monkeypatch):
     code = ("import sys, keras_replicator\nfrom keras_replicator import ray_train\n"
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+            "import ray\n"
+            "try:\n    ray_train.init_local(num_cpus=1)\nexcept RuntimeError as e:\n"
+            "    print(ray.is_initialized(), e)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"), timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "[]"  # importing keras_replicator and ray_train imported no Ray
+    # Ray imported before init_local could set the loopback variable: refused, nothing started.
+    assert lines[1].startswith("False Ray was imported before init_local()"), lines
     monkeypatch.setitem(sys.modules, "ray.train", None)  # as if ray[train] were not installed
     with pytest.raises(ImportError, match=r'pip install "keras-replicator\[ray\]"'):
         ray_train.ReportCheckpoint()
