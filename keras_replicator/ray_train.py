@@ -48,6 +48,7 @@ import warnings
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from keras_replicator import saving
 from keras_replicator._compat import keras_initial_epoch
@@ -234,7 +235,7 @@ def _is_number(value: Any) -> bool:
 
 
 def dataset_shard(
-    strategy,
+    strategy: tf.distribute.Strategy,
     name: str,
     *,
     feature_columns: str | list[str],
@@ -242,7 +243,7 @@ def dataset_shard(
     global_batch_size: int,
     drop_remainder: bool = False,
     **to_tf_kwargs: Any,
-):
+) -> tf.distribute.DistributedDataset:
     """This worker's Ray Data shard as `fit`'s input under `strategy`, not sharded again.
 
     Ray Train splits each dataset given to the trainer into one shard per worker
@@ -263,7 +264,8 @@ def dataset_shard(
     Args:
         strategy: the `ReplicatorStrategy` of this worker (its cluster is Ray's workers).
         name: the dataset's key in the trainer's `datasets=`.
-        feature_columns, label_columns: passed to `DataIterator.to_tf`.
+        feature_columns: the model's input column(s), as for `DataIterator.to_tf`.
+        label_columns: the target column(s), as for `DataIterator.to_tf`.
         global_batch_size: examples per step over all replicas of all workers.
         drop_remainder: drop a last batch smaller than the others.
         **to_tf_kwargs: more arguments of `to_tf` (e.g. `local_shuffle_buffer_size`).
