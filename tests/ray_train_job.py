@@ -83,9 +83,24 @@ def regression_loop(config: dict) -> None:
 
 
 def regression_and_ray_data_loop(config: dict) -> None:
-    """`regression_loop`, then `ray_data_loop` in the same workers (one start of TensorFlow)."""
+    """`regression_loop`, then `ray_data_loop` in the same workers (one start of TensorFlow).
+
+    Then tries `AsyncReplicatorStrategy` on Ray's `TF_CONFIG` and records its error.
+    """
     regression_loop(config)
     ray_data_loop(config)
+    import ray.train
+
+    import keras_replicator as kr
+
+    try:
+        kr.AsyncReplicatorStrategy()
+        error = None
+    except kr.ClusterConfigError as e:
+        error = str(e)
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"async.worker{rank}.json"), "w") as f:
+        json.dump({"error": error}, f)
 
 
 def ray_data_loop(config: dict) -> None:

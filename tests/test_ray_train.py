@@ -271,6 +271,15 @@ def test_a_ray_data_shard_per_worker_is_seen_once(run):
     assert reports[0]["loss"] == reports[1]["loss"]  # one job: the same reduced loss on both
 
 
+def test_async_strategy_refuses_the_cluster_ray_describes(run):
+    """Ray's TF_CONFIG has only "worker" tasks: AsyncReplicatorStrategy says what it needs."""
+    out = run[0]
+    for rank in range(WORKERS):
+        with open(os.path.join(out, f"async.worker{rank}.json")) as f:
+            error = json.load(f)["error"]
+        assert 'needs one "chief"' in error and "['worker']" in error, error
+
+
 def test_the_guides_program_runs_as_written(run):
     """docs/ray.md's complete program, run alongside the module's Ray run (its own Ray instance)."""
     (code, stdout, stderr, left), seen = run[3]
