@@ -203,6 +203,12 @@ class ReportCheckpoint(keras.callbacks.Callback):
             already = keras_initial_epoch.initial_epoch(self.model)
             if already is not None and already >= next_epoch:
                 return  # an earlier callback (BackupAndRestore) restored a state at least as new
+            optimizer = getattr(self.model, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                # Without a strategy Keras builds the optimizer at the first step, after this
+                # callback; load_weights would then skip the saved optimizer state.
+                with self.model.distribute_strategy.scope():
+                    optimizer.build(self.model.trainable_variables)
             self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
         keras_initial_epoch.set_initial_epoch(self.model, next_epoch)
         self.restored_epoch = next_epoch

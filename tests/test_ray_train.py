@@ -313,3 +313,87 @@ def test_keras_replicator_imports_no_ray_and_names_the_extra(monkeypatch):
         ray_train.ReportCheckpoint()
     with pytest.raises(ValueError, match="checkpoint_every"):
         ray_train.ReportCheckpoint(checkpoint_every=-1)
+
+
+class _FakeTrain:
+    """What ReportCheckpoint uses of `ray.train`, in memory: reports kept, the last checkpoint served."""
+
+    def __init__(self, root, checkpoint=None):
+        self.root, self.reports, self.checkpoint = root, [], checkpoint
+        fake = self
+
+        class Checkpoint:
+            def __init__(self, path):
+                self.path = path
+
+            @classmethod
+            def from_directory(cls, directory):  # Ray copies it to storage; so do we
+                import shutil
+
+                path = os.path.join(fake.root, f"checkpoint{len(fake.reports)}")
+                shutil.copytree(directory, path)
+                return cls(path)
+
+            def as_directory(self):
+                import contextlib
+
+                return contextlib.nullcontext(self.path)
+
+        self.Checkpoint = Checkpoint
+
+    def report(self, metrics, checkpoint=None):
+        self.reports.append((metrics, checkpoint))
+
+    def get_checkpoint(self):
+        return self.checkpoint
+
+
+def _adam_model():
+    model = dense_model()
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _callback(fake) -> ray_train.ReportCheckpoint:
+    callback = ray_train.ReportCheckpoint()
+    callback._train = fake
+    return callback
+
+
+def test_report_checkpoint_resumes_weights_optimizer_and_epoch(tmp_path):
+    """In one process with Ray's session faked: a resumed fit equals an uninterrupted one (Adam)."""
+    from keras_replicator._compat import keras_initial_epoch
+
+    x, y = regression_data(LAUNCHED_JOB_EXAMPLES)
+    fit = {"batch_size": LAUNCHED_JOB_BATCH, "shuffle": False, "verbose": 0}
+    reference = _adam_model()
+    reference.fit(x, y, epochs=3, **fit)
+
+    first = _FakeTrain(tmp_path)
+    _adam_model().fit(x, y, epochs=2, callbacks=[_callback(first)], **fit)
+    assert [m["epoch"] for m, _ in first.reports] == [0, 1]
+    assert all(m["loss"] > 0 and c is not None for m, c in first.reports)
+
+    resumed_train = _FakeTrain(tmp_path / "again", checkpoint=first.reports[-1][1])
+    resumed, callback = _adam_model(), _callback(resumed_train)
+    epochs = []
+    record = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: epochs.append(epoch))
+    resumed.fit(x, y, epochs=3, callbacks=[callback, record], **fit)
+    assert callback.restored_epoch == 2 and epochs == [2]
+    # Adam's moments came back too: without them the third epoch would end elsewhere.
+    assert int(resumed.optimizer.iterations) == int(reference.optimizer.iterations)
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+    # A BackupAndRestore placed before it restored a later epoch: Ray's older checkpoint is not loaded.
+    later = _adam_model()
+    before = [w.copy() for w in later.get_weights()]
+
+    class LaterBackup(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            keras_initial_epoch.set_initial_epoch(self.model, 3)
+
+    skipped = _callback(_FakeTrain(tmp_path / "skip", checkpoint=first.reports[-1][1]))
+    later.fit(x, y, epochs=3, callbacks=[LaterBackup(), skipped], **fit)
+    assert skipped.restored_epoch is None
+    assert all(np.array_equal(a, b) for a, b in zip(before, later.get_weights()))
