@@ -31,7 +31,7 @@ from tests.helpers import (
 )
 
 # The driver trains nothing (Ray's workers set their own devices). The shared run's setup took
-# 7 min under a load average of 30 on 2 cores (about 3 min with less load): past the suite's 600 s.
+# 7 min under a load average of about 30 on 2 cores shared with other jobs: past the suite's 600 s.
 pytestmark = [pytest.mark.devices(1), pytest.mark.timeout(1500)]
 
 EPOCHS = 3
