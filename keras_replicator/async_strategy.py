@@ -29,6 +29,7 @@ from keras_replicator._compat import parameter_server as _ps_compat
 from keras_replicator._compat import tf_data
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
+from keras_replicator.launch.addresses import split_address
 
 __all__ = ["AsyncDataset", "AsyncReplicatorStrategy"]
 
@@ -37,15 +38,10 @@ _SERVING = "keras_replicator: {name} is serving; it ends when the chief ends the
 _ENDING = "keras_replicator: the chief at {address} ended the job; {name} exits"
 
 
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def _reachable(address: str, timeout: float = 1.0) -> bool:
     """True if a TCP connection to `host:port` opens (a task's gRPC server is listening)."""
     try:
-        with socket.create_connection(_split_address(address), timeout=timeout):
+        with socket.create_connection(split_address(address), timeout=timeout):
             return True
     except OSError:
         return False
@@ -160,7 +156,8 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             whose cluster has one "chief", one or more "worker" and "ps" tasks.
-            `None` reads `TF_CONFIG`, then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
+            `None` reads `TF_CONFIG`, then a Kubernetes JobSet pod's environment
+            (`keras_replicator.cluster.jobset_cluster`), then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
             of the tasks are parameter servers; see
             `keras_replicator.cluster.slurm_cluster`).
         variable_partitioner: a `tf.distribute.experimental.partitioners.Partitioner`

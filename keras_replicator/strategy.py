@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator import _compat, cluster, data
-from keras_replicator._compat import engines, keras_trainer
+from keras_replicator._compat import engines, keras_trainer, preemption
 from keras_replicator._validation import check_choice, check_number
 from keras_replicator.cross_device_ops import default_cross_device_ops
 
@@ -152,7 +152,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         train.py``; create the strategy first thing in the script:
 
         ```python
-        strategy = kr.ReplicatorStrategy(failure_timeout=60)
+        strategy = kr.ReplicatorStrategy(failure_timeout=30)
         print(strategy.num_workers, strategy.worker_index, strategy.is_chief)
         ```
 
@@ -169,17 +169,29 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             across workers choose ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
-            at Slurm's environment (see `keras_replicator.cluster.resolve_cluster`);
+            at a Kubernetes JobSet pod's, then at Slurm's environment (see
+            `keras_replicator.cluster.resolve_cluster`);
             with no cluster (or a cluster of one task) the strategy is local.
             In a multi-worker job ``devices`` lists each worker's local devices.
         communication: ``"auto"``, ``"ring"`` or ``"nccl"``: the implementation
             of collective all-reduces (``"auto"``: NCCL on GPUs, ring otherwise).
         failure_timeout: seconds without a heartbeat after which a worker counts
-            as lost; the others then stop with
-            `WorkerLostError`. Multi-worker only.
+            as lost; the others then stop with `WorkerLostError` naming it
+            (a dead or a silent worker, e.g. a stopped process or a hung
+            device). The default, 30, ends a job with a silent worker in
+            about 30 to 40 s. Multi-worker only.
         startup_timeout: seconds to wait at creation for every worker of the
             cluster to be up before failing with
             `ClusterStartupError`. Multi-worker only.
+        on_sigterm: what SIGTERM (a preemption, an eviction) does during
+            ``fit``. ``"save"``: with ``keras.callbacks.BackupAndRestore`` in
+            ``fit``'s callbacks, every worker stops after the same step, the
+            backup is written there (epoch and step within it) and the
+            process exits with status 143 ("restart me"); the restarted job
+            resumes at that step. Several workers exit with 143 after that
+            step even without the callback. ``"fatal"``: SIGTERM ends the
+            process at once, as in a plain Python program. ``None``: the
+            environment variable ``KERAS_REPLICATOR_ON_SIGTERM``, else ``"save"``.
     """
 
     def __init__(
@@ -189,8 +201,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
         cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
         communication: str = "auto",
-        failure_timeout: float = 60.0,
+        failure_timeout: float = 30.0,
         startup_timeout: float = 300.0,
+        on_sigterm: str | None = None,
     ):
         if cross_device_ops is not None and not isinstance(
             cross_device_ops, tf.distribute.CrossDeviceOps
@@ -205,6 +218,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         )
         failure_timeout = check_number("failure_timeout", failure_timeout, positive=True)
         startup_timeout = check_number("startup_timeout", startup_timeout, positive=True)
+        if on_sigterm is None:
+            on_sigterm = preemption.default_mode()
+        self.on_sigterm = check_choice("on_sigterm", on_sigterm, list(preemption.MODES))
         implementation = _COMMUNICATION[communication]
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)
@@ -234,6 +250,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 communication=None if communication == "auto" else implementation,
             )
         super().__init__(extended)
+        if self.on_sigterm == "fatal" and self.num_workers > 1:
+            preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
         keras_trainer.register_strategy(self)
 

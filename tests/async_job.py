@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +48,12 @@ class CountingModel(keras.Sequential):
 
     def count_steps(self, num_workers: int) -> None:
         self.steps_by_worker = keras.Variable(np.zeros(num_workers, "float32"), trainable=False)
+
+    def load_own_variables(self, store):
+        """Loading a saved model: the counter is created first, with the saved shape."""
+        if len(store.keys()) and not hasattr(self, "steps_by_worker"):
+            self.count_steps(store["0"].shape[0])
+        super().load_own_variables(store)
 
     def train_step(self, data):
         logs = super().train_step(data)
@@ -93,7 +101,9 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         print(f"epoch {epoch} done loss={logs['loss']:.5f}", flush=True)
         if epoch == self.hold_at_epoch:
-            # The test kills and restarts a task meanwhile, then creates the release file.
+            # The test (or a worker's `die_at_hold`) kills and restarts a task meanwhile, then
+            # creates the release file.
+            open(self.release + ".holding", "w").close()
             deadline = time.time() + 180
             while not os.path.exists(self.release) and time.time() < deadline:
                 time.sleep(0.1)
@@ -235,11 +245,33 @@ def faults_mode(strategy, out: str) -> dict:
         iterations=int(model.optimizer.iterations.numpy()),
         evaluation=model.evaluate(x, y, batch_size=128, verbose=0),
     )
+    model.save(os.path.join(out, "model.keras"))
     return report
+
+
+def die_at_hold(out: str) -> None:
+    """On the task named by ``KR_TEST_DIE_TASK`` (``"worker 1"``, ``"ps 0"``, ``"chief 0"``; first
+    start only): SIGKILLs itself when the chief holds, after creating the release file (the
+    chief goes on while it dies)."""
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    first_start = os.environ.get("KERAS_REPLICATOR_RESTART_COUNT", "0") == "0"
+    if os.environ.get("KR_TEST_DIE_TASK") != f"{task.get('type')} {task.get('index')}" or not first_start:
+        return
+
+    def wait_and_die() -> None:
+        release = os.path.join(out, "release")
+        while not os.path.exists(release + ".holding"):
+            time.sleep(0.05)
+        print("dying now", flush=True)
+        open(release, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_and_die, daemon=True).start()
 
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    die_at_hold(out)
     partitioner = None
     if mode == "partition":  # the 3200-byte embedding in 2 shards; the 2048-byte kernel whole
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=2100, max_shards=2)

@@ -266,6 +266,52 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
     assert j.wait("worker", 1, timeout=60) == 0
 
 
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_dead_worker_does_not_end_a_launched_job(tmp_path, max_restarts):
+    """`keras-replicator launch --workers 2 --ps 1`: worker 1 SIGKILLs itself after epoch 0.
+
+    The chief holds at the end of epoch 0 until worker 1 is dying (async_job.die_at_hold),
+    so the kill lands at the same point of every run. Without restarts the job goes on
+    with worker 0 alone; with ``--max-restarts 1`` worker 1 is started again. Either way
+    every requested step runs and the chief saves.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    epochs, steps_per_epoch = 3, 40  # steps_per_epoch: async_job.faults_mode's
+    env = _env(KR_TEST_DIE_TASK="worker 1", KR_TEST_EPOCHS=str(epochs), KR_TEST_HOLD_AT_EPOCH="0",
+               KR_TEST_SLEEP_PER_BATCH="0.02")
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--ps", "1",
+               "--max-restarts", str(max_restarts), "--timeout", "300", JOB, "faults", str(out)]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "[worker 1] dying now" in output
+    if max_restarts:
+        # Started again at once; whether it rejoins before the end depends on its start-up time
+        # (test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs waits for it to).
+        assert "[launcher] worker 1 exited with code 137; restarting it (restart 1 of 1)" in output
+    else:
+        assert "[launcher] worker 1 exited with code 137; the job goes on without it" in output
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in output
+    report = json.loads((out / "chief.json").read_text())
+    # Every requested step ran (a step cut short by the kill may have run twice).
+    assert epochs * steps_per_epoch <= report["iterations"] <= epochs * steps_per_epoch + 2, report
+    assert report["epochs_run"] == list(range(epochs))
+    counts = np.array(report["steps_by_worker"])  # per worker, at each epoch's end
+    assert counts[0][1] > 0 and counts[-1].sum() >= epochs * steps_per_epoch, counts
+    if not max_restarts:  # worker 1 ran nothing after its death: worker 0 ran its share
+        assert counts[-1][1] == counts[0][1], counts
+    loss = report["history"]["loss"]
+    assert loss[-1] < 0.3 * loss[0], loss
+    # The chief saved the model after the last step: its optimizer counted every one.
+    saved = keras.models.load_model(out / "model.keras")
+    assert int(saved.optimizer.iterations.numpy()) == report["iterations"]
+    print(f"max_restarts={max_restarts}: {report['iterations']} steps of {epochs * steps_per_epoch} requested, "
+          f"by worker {counts[-1].tolist()}, job {elapsed:.1f} s (fit {report['seconds']:.1f} s)")
+
+
 def test_a_killed_parameter_server_stops_the_job_clearly_and_a_restart_resumes(start_job, tmp_path):
     j = start_job("faults", workers=1, ps=1, KR_TEST_EPOCHS="4", KR_TEST_FAILURE_TIMEOUT="5")
     j.wait_for("epoch 1 done", timeout=240)

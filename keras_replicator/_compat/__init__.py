@@ -14,8 +14,9 @@ installed version is outside the range a module was checked on.
 | `all_reduce_gradient` | `ReplicaContext.all_reduce` | scoped patch (strategy scope) | TF 2.16-2.21 |
 | `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | permanent patch, ours only: no autotuning thread to join (issue 21) | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
-| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
-| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
+| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | permanent patch, ours only | Keras 3.15 |
+| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step) | permanent patch, ours only | Keras 3.15 |
+| `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
 | `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
@@ -45,6 +46,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "tf_data": ("tensorflow", "2.16", "2.21"),
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
+    "preemption": ("tensorflow", "2.21", "2.21"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
     "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),

@@ -2,13 +2,17 @@
 
 Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
 `on_train_begin`, `on_train_end` (keras.src.callbacks; checked on Keras 3.15), and
-reads `BackupAndRestore`'s private path attributes. Acts only for
-keras_replicator's strategies with more than one worker. Permanent (idempotent):
-callbacks run outside any strategy scope.
+reads `BackupAndRestore`'s private path attributes and `_current_epoch`. Acts only for
+keras_replicator's strategies (the chief-only writes with more than one
+worker). Permanent (idempotent): callbacks run outside any strategy scope.
+`BackupAndRestore.on_train_begin` also resumes mid-epoch from a backup written
+at a preemption (`preemption`): it hands the step to the trainer's epoch
+iterator (`keras_trainer.resume_current_fit_at`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -16,7 +20,8 @@ import tempfile
 import tensorflow as tf
 from keras.src.callbacks import backup_and_restore, model_checkpoint
 
-from keras_replicator._compat.keras_trainer import multi_worker
+from keras_replicator._compat import keras_trainer
+from keras_replicator._compat.keras_trainer import multi_worker, ours
 
 
 def _callback_strategy(callback):
@@ -51,6 +56,36 @@ class _PathsRedirected:
             setattr(self.callback, a, path)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return False
+
+
+# Added to BackupAndRestore's training_metadata.json: the steps of "epoch" already done.
+STEP_KEY = "keras_replicator_step_in_epoch"
+
+
+def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
+    """Writes `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`).
+
+    Sets the private `_current_epoch` (the epoch Keras writes) and adds `STEP_KEY` to
+    the metadata file at `_training_metadata_path`; the weights and optimizer state are
+    written by `_save_model` (patched below: only the chief writes where asked).
+    """
+    backup._current_epoch = epoch
+    backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
+    if is_chief:
+        with open(backup._training_metadata_path) as f:
+            metadata = json.load(f)
+        metadata[STEP_KEY] = int(step)
+        with open(backup._training_metadata_path, "w") as f:
+            json.dump(metadata, f)
+
+
+def read_step_in_epoch(backup) -> int:
+    """The steps of the restored epoch already done (0: none, or no mid-epoch backup)."""
+    path = backup._training_metadata_path
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f).get(STEP_KEY, 0))
 
 
 def install() -> None:
@@ -101,21 +136,24 @@ def install() -> None:
 
     def br_on_train_begin(self, logs=None):
         result = original_br_begin(self, logs)
-        strategy = _callback_strategy(self)
-        if strategy is not None:
-            # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact).
-            epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
-            total, squares = (
-                int(v)
-                for v in strategy.reduce("SUM", tf.constant([epoch, epoch * epoch], tf.int64), axis=None)
-            )
-            if strategy.num_workers * squares != total * total:
+        strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        step = read_step_in_epoch(self) if ours(strategy) else 0
+        epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
+        if multi_worker(strategy):
+            # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact), for epochs and steps.
+            values = tf.constant([epoch, epoch * epoch, step, step * step], tf.int64)
+            e, e2, s, s2 = (int(v) for v in strategy.reduce("SUM", values, axis=None))
+            n = strategy.num_workers
+            if n * e2 != e * e or n * s2 != s * s:
+                where = f"epoch {epoch}" + (f", step {step}" if step else "")
                 raise RuntimeError(
                     f"BackupAndRestore: the workers restored different epochs; worker "
-                    f"{strategy.worker_index} restored epoch {epoch} from {self.backup_dir!r}. The "
+                    f"{strategy.worker_index} restored {where} from {self.backup_dir!r}. The "
                     "chief writes the backup; backup_dir must be on storage that every worker reads "
                     "(a shared file system or bucket)."
                 )
+        if step:
+            keras_trainer.resume_current_fit_at(epoch, step)
         return result
 
     for cls, name, fn in (

@@ -7,13 +7,17 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   `call()` (keras-io's GAN style), as Keras does without a strategy;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
+* `TFEpochIterator._enumerate_iterator`: after `BackupAndRestore` restored a backup
+  written mid-epoch (at a preemption), the first epoch skips the data of the steps
+  already done (`resume_current_fit_at`);
 * `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
   hands a model built under `AsyncReplicatorStrategy` to `parameter_server`, and else,
   before any work, catches a model built outside the strategy's scope (an
   error when its data was distributed by one of our strategies, a warning when
   such a strategy exists), refuses infinite `validation_data` without
   `validation_steps`, re-raises a step's error caused by a lost worker as
-  `WorkerLostError`, and TensorFlow's oneDNN failure on an empty batch (a
+  `WorkerLostError`, appends the preemption check to `fit`'s callbacks
+  (`preemption`), and TensorFlow's oneDNN failure on an empty batch (a
   dataset with fewer examples than replicas leaves a replica empty) as a
   `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
   datasets (TF 2.16-2.21: `input_lib`).
@@ -26,8 +30,10 @@ Keras's behaviour. These patches are permanent (installed once, idempotent):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import threading
 import warnings
 import weakref
 
@@ -177,6 +183,8 @@ def _patch_epoch_iterator() -> None:
                 "or make the dataset finite (remove .repeat())."
             )
         original(self, distribute_strategy, *args, **kwargs)
+        if ours(distribute_strategy):
+            _current.iterator = weakref.ref(self)
 
     cls.__init__ = __init__
 
@@ -281,10 +289,13 @@ def _patch_entry_points() -> None:
             _check_scope(self, name, args, kwargs)
             if not ours(strategy):
                 return method(self, *args, **kwargs)
+            watching = contextlib.nullcontext()
             if name == "fit":
                 _check_validation_data(kwargs)
+                args, kwargs, watching = _with_preemption_check(strategy, args, kwargs)
             try:
-                return method(self, *args, **kwargs)
+                with watching:
+                    return method(self, *args, **kwargs)
             except tf.errors.OpError as e:
                 lost = strategy.extended.lost_worker_error(e) if multi_worker(strategy) else None
                 if lost is not None:
@@ -300,8 +311,101 @@ def _patch_entry_points() -> None:
         setattr(cls, name, wrap(name, getattr(cls, name)))
 
 
+_FIT_CALLBACKS_POSITION = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+
+
+def _with_preemption_check(strategy, args, kwargs):
+    """`fit`'s arguments with the preemption check appended to its callbacks (`preemption`)."""
+    from keras_replicator._compat import preemption
+
+    mode = getattr(strategy, "on_sigterm", "save")
+    if len(args) > _FIT_CALLBACKS_POSITION:
+        callbacks, watching = preemption.fit_callbacks(strategy, args[_FIT_CALLBACKS_POSITION], mode)
+        args = args[:_FIT_CALLBACKS_POSITION] + (callbacks,) + args[_FIT_CALLBACKS_POSITION + 1:]
+    else:
+        callbacks, watching = preemption.fit_callbacks(strategy, kwargs.get("callbacks"), mode)
+        kwargs = dict(kwargs, callbacks=callbacks)
+    return args, kwargs, watching
+
+
+# The training epoch iterator of the `fit` running in this thread: the last one made
+# before the callbacks' on_train_begin (fit makes it first; evaluate's come later).
+_current = threading.local()
+
+
+def resume_current_fit_at(epoch: int, step: int) -> bool:
+    """Makes the running `fit` skip the data of `epoch`'s first `step` steps (and of the
+    epochs before it when batches carry over between epochs, with ``steps_per_epoch``).
+
+    Called from `BackupAndRestore.on_train_begin` (keras_checkpointing) after a backup
+    written mid-epoch at a preemption was restored. Returns False if no iterator is known.
+    """
+    iterator = getattr(_current, "iterator", None)
+    iterator = iterator() if iterator is not None else None
+    if iterator is None:
+        return False
+    iterator._kr_resume = (int(epoch), int(step))
+    return True
+
+
+def _consume(iterator, batches: int) -> bool:
+    """Takes `batches` batches from a distributed iterator; False once it ran out."""
+    try:
+        for _ in range(batches):
+            next(iterator)
+    except (StopIteration, tf.errors.OutOfRangeError):
+        return False
+    return True
+
+
+def _fast_forward(self, original, epoch: int, step: int):
+    """The first epoch's batches after `step` steps of `epoch`, as an uninterrupted fit.
+
+    Without ``steps_per_epoch`` each epoch starts a new pass over the data, so only
+    `step` steps' batches are skipped; with it Keras carries its iterator over from
+    epoch to epoch, so the epochs before `epoch` are replayed too (their batches
+    taken and dropped, Keras's own bookkeeping run). Deterministic input (no
+    reshuffling, or seeded) gives the batches the uninterrupted run had.
+    """
+    for _ in range(epoch if self.steps_per_epoch else 0):
+        for _, _, it in original(self):
+            if not _consume(it, self.steps_per_execution):
+                self._current_iterator = None
+                break
+    for begin, end, it in original(self):
+        if begin < step:
+            if not _consume(it, self.steps_per_execution):
+                self._current_iterator = None
+                return
+            continue
+        yield begin, end, it
+
+
+def _patch_resume() -> None:
+    """`TFEpochIterator._enumerate_iterator` fast-forwards once after a mid-epoch restore.
+
+    Why: Keras 3.15's `BackupAndRestore` restarts the interrupted epoch from its
+    first batch; after a preemption backup written mid-epoch, the steps already
+    done would be done twice. Acts only on an iterator `resume_current_fit_at` marked.
+    """
+    cls = tf_trainer.TFEpochIterator
+    original = cls._enumerate_iterator
+    if _is_patched(original):
+        return
+
+    @_patched
+    def _enumerate_iterator(self):
+        resume = self.__dict__.pop("_kr_resume", None)
+        if resume is None:
+            return original(self)
+        return _fast_forward(self, original, *resume)
+
+    cls._enumerate_iterator = _enumerate_iterator
+
+
 def install() -> None:
     """Installs every patch of this module (idempotent)."""
+    _patch_resume()
     _patch_symbolic_build()
     _patch_reduce_per_replica()
     _patch_epoch_iterator()
