@@ -51,7 +51,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator import saving
-from keras_replicator._compat import keras_initial_epoch
+from keras_replicator._compat import keras_initial_epoch, keras_trainer
 from keras_replicator._validation import check_bool, check_int
 
 __all__ = [
@@ -211,6 +211,9 @@ class ReportCheckpoint(keras.callbacks.Callback):
                     optimizer.build(self.model.trainable_variables)
             self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
         keras_initial_epoch.set_initial_epoch(self.model, next_epoch)
+        # The data position of an uninterrupted run (with steps_per_epoch, the epochs before are
+        # replayed), and no mid-epoch skip left pending by an older BackupAndRestore backup.
+        keras_trainer.resume_current_fit_at(next_epoch, 0)
         self.restored_epoch = next_epoch
 
     def on_epoch_end(self, epoch, logs=None):
