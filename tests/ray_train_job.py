@@ -65,7 +65,7 @@ def regression_loop(config: dict) -> None:
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if attempt == 0 and rank == 1 and epoch == kill_at:
-                time.sleep(2)  # the chief's checkpoint of the epoch before is registered
+                time.sleep(5)  # time for Ray's controller to register the last report
                 os.kill(os.getpid(), signal.SIGKILL)
             epochs_run.append(epoch)
 

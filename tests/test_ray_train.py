@@ -248,9 +248,13 @@ def test_a_killed_worker_resumes_from_the_checkpoint(ray, tmp_path):
     assert result.error is None
     assert not os.path.exists(out / "attempt0.worker1.json")  # worker 1 died in the first attempt
     resumed = _reports(out, 1)
+    restored = resumed[0]["restored_epoch"]
+    print(f"the restart resumed at epoch {restored}")
+    # Not from scratch: from the checkpoint of epoch 1 (or of epoch 0 when Ray's controller had
+    # not yet registered epoch 1's report when the worker died: seen once under heavy load).
+    assert restored in (1, 2)
     for report in resumed:
-        # The restart loaded the checkpoint of epoch 1 and ran only epoch 2.
-        assert report["restored_epoch"] == 2 and report["epochs_run"] == [2]
+        assert report["restored_epoch"] == restored and report["epochs_run"] == list(range(restored, EPOCHS))
     assert resumed[0]["weights"] == resumed[1]["weights"]
     gap = _max_gap(resumed[0]["weights"], _one_device_weights())
     print(f"max |resumed Ray run - one device| = {gap:.3g}")
