@@ -18,6 +18,7 @@ installed version is outside the range a module was checked on.
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step) | installed patch, ours only | Keras 3.15 |
 | `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, a private mark on the epoch iterator | installed patch, ours only: the first epoch after a mid-epoch restore skips the steps already done | Keras 3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
+| `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
 | `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
@@ -58,6 +59,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "mid_epoch_resume": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
     "keras_seed_generator": ("keras", "3.15", "3.15"),
+    "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
 }
