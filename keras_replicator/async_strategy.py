@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster
+from keras_replicator import _announce, _compat, cluster
 from keras_replicator._compat import parameter_server as _ps_compat
-from keras_replicator._compat import tf_data
+from keras_replicator._compat import tf_data, tf_logging
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
 
@@ -197,6 +197,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
+        tf_logging.install()  # before TensorFlow's engine logs its connection lines
         resolver = cluster.resolve_cluster(cluster_resolver, parameter_servers=True)
         if resolver is None:
             raise cluster.ClusterConfigError(
@@ -217,6 +218,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         _compat.install()  # fit/evaluate/predict of its models go to parameter_server
         if variable_partitioner is not None:
             _ps_compat.install_sharded_variable_reads()
+        _announce.announce_async(self.num_workers, self.num_ps)
 
     def _wait_for_tasks(self, spec: tf.train.ClusterSpec, timeout: float) -> None:
         """Waits until every worker and parameter server listens; names those that do not."""

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster, data
-from keras_replicator._compat import engines, keras_trainer
+from keras_replicator import _announce, _compat, cluster, data
+from keras_replicator._compat import engines, keras_trainer, tf_logging
 from keras_replicator._validation import check_choice, check_number
 from keras_replicator.cross_device_ops import default_cross_device_ops
 
@@ -206,6 +206,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         failure_timeout = check_number("failure_timeout", failure_timeout, positive=True)
         startup_timeout = check_number("startup_timeout", startup_timeout, positive=True)
         implementation = _COMMUNICATION[communication]
+        tf_logging.install()  # before TensorFlow's engine logs "Using MirroredStrategy ..."
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)
         spec = resolver.cluster_spec() if resolver is not None else tf.train.ClusterSpec({})
@@ -236,6 +237,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         super().__init__(extended)
         _compat.install()
         keras_trainer.register_strategy(self)
+        _announce.announce(
+            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices,
+            _announce.all_reduce_name(extended.cross_device_ops, communication),
+            self.num_workers, self.worker_index,
+        )
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
