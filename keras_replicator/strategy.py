@@ -324,12 +324,16 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
-            train = strategy.distribute_dataset(dataset, per_replica_batch_size=32)
-            model.fit(train, epochs=3)
+            import tensorflow as tf
+
+            x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+            dataset = tf.data.Dataset.from_tensor_slices((x, y))     # unbatched examples
+            train = strategy.distribute_dataset(dataset, per_replica_batch_size=8)
+            model.fit(train, epochs=2, verbose=0)
 
             def input_fn(ctx):                       # called once per worker
-                return make_dataset().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            train = strategy.distribute_dataset(input_fn, global_batch_size=256)
+                return dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            train = strategy.distribute_dataset(input_fn, global_batch_size=16)
             ```
         """
         return data.distribute_dataset(
@@ -357,9 +361,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
+            import tensorflow as tf
+
+            dataset = tf.data.Dataset.from_tensor_slices(np.ones((128, 4), "float32"))
+
+            @tf.function
+            def step(batch):                         # on each replica, its half of the batch
+                return tf.reduce_sum(batch)
+
             dist = strategy.experimental_distribute_dataset(dataset.batch(64))
             for batch in dist:
-                strategy.run(step, args=(batch,))
+                sums = strategy.run(step, args=(batch,))
+                total = strategy.reduce("SUM", sums, axis=None)   # 256.0: 64 rows of 4 ones
             ```
         """
         distributed = data.distribute_batched_dataset(self, dataset, options)

@@ -23,10 +23,11 @@ Example:
     with strategy.scope():
         learner = d4pg.D4PGLearner.create(obs_dim=3, low=[-2.0], high=[2.0])
         learner.compile()
-    n = 64                                    # (obs, action, reward, discount, next_obs) rows
-    batches = tf.data.Dataset.from_tensor_slices(d4pg.Transitions(
-        np.zeros((n, 3), "float32"), np.zeros((n, 1), "float32"), np.ones(n, "float32"),
-        np.full(n, 0.99, "float32"), np.zeros((n, 3), "float32"))).repeat()
+    n = 64                                    # replay samples, as the feeder sends them
+    batches = tf.data.Dataset.from_tensor_slices({
+        "observation": np.zeros((n, 3), "float32"), "action": np.zeros((n, 1), "float32"),
+        "reward": np.ones(n, "float32"), "discount": np.full(n, 0.99, "float32"),
+        "next_observation": np.zeros((n, 3), "float32")}).repeat()
     learner.fit(strategy.distribute_dataset(batches, global_batch_size=32), steps_per_epoch=2,
                 verbose=0)
     ```
