@@ -329,6 +329,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
             dataset = tf.data.Dataset.from_tensor_slices((x, y))     # unbatched examples
             train = strategy.distribute_dataset(dataset, per_replica_batch_size=8)
+            with strategy.scope():                   # the model of the strategy that distributes the data
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                model.compile("sgd", "mse")
             model.fit(train, epochs=2, verbose=0)
 
             def input_fn(ctx):                       # called once per worker

@@ -184,7 +184,15 @@ class SNGAN(keras.Model):
 
         Example:
             ```python
+            import dataclasses
+            import keras_replicator as kr
+            from keras_replicator.applications import sngan
+
+            strategy = kr.ReplicatorStrategy()
+            config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
             with strategy.scope():
+                gan = sngan.SNGAN(sngan.generator(config, 10), sngan.discriminator(config, 10),
+                                  num_classes=10)
                 gan.compile(d_optimizer=kr.optimizers.CrossReplicaOptimizer(
                     sngan.default_optimizer()), g_optimizer=sngan.default_optimizer())
             ```
@@ -228,7 +236,18 @@ class SNGAN(keras.Model):
 
         Example:
             ```python
-            gan.sampler().save("generator.keras")
+            import dataclasses
+            import keras
+            import keras_replicator as kr
+            from keras_replicator.applications import sngan
+
+            strategy = kr.ReplicatorStrategy()
+            config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
+            with strategy.scope():
+                gan = sngan.SNGAN(sngan.generator(config, 10), sngan.discriminator(config, 10),
+                                  num_classes=10, ema_decay=0.999)
+            gan.sampler().save("generator.keras")          # the EMA weights (trained: after gan.fit)
+            generator = keras.models.load_model("generator.keras")
             ```
         """
         if not self.ema_weights:
