@@ -58,7 +58,7 @@ NOT_RUN: dict[str, str] = {
         "self-contained (it still starts Ray: then the reason is RAY). " + RAY,
     "keras_replicator.applications.d4pg.training:train": TRAIN,
     "keras_replicator.applications.d4pg.learner": (
-        "compiles the D4PG update for fit: 1-2 minutes on the suite's 2 loaded cores; "
+        "compiles the D4PG update for fit: 30 s to over 2 min on the suite's 2 loaded cores; "
         "tests/test_d4pg_replicated.py fits the learner on 1 and 2 replicas "
         "(test_two_replicas_equal_one_device)"),
     "keras_replicator.applications.imagenet": IMAGENET,
@@ -75,7 +75,7 @@ NOT_RUN: dict[str, str] = {
         "time): tests/test_sngan_metrics.py loads a saved random InceptionV3 "
         "(test_inception_extractor_from_a_weights_file_at_small_size)"),
     "keras_replicator.applications.sngan.training:SNGAN": (
-        "compiles the GAN step (5 discriminator and 1 generator update) for fit: about 2 "
+        "compiles the GAN step (5 discriminator and 1 generator update) for fit: 2-3 "
         "minutes on the suite's 2 loaded cores; tests/test_sngan.py fits SNGAN on digits on 1 "
         "and 2 replicas (test_n_replicas_match_one_device)"),
     "keras_replicator.applications.tfds_input": (
