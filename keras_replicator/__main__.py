@@ -48,7 +48,12 @@ def _number_type(
 
     Example:
         ```python
+        import argparse
+        from keras_replicator.__main__ import _number_type
+
+        parser = argparse.ArgumentParser()
         parser.add_argument("--workers", type=_number_type(int, "at least 1", lambda v: v >= 1))
+        parser.parse_args(["--workers", "2"]).workers   # 2; "--workers 0" exits: "must be at least 1, got 0"
         ```
     """
     noun = "an integer" if convert is int else "a number"

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster
-from keras_replicator._compat import tf_data
+from keras_replicator import _announce, _compat, cluster
+from keras_replicator._compat import tf_data, tf_logging
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
 from keras_replicator.launch.addresses import split_address
@@ -193,6 +193,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
+        tf_logging.install()  # before TensorFlow's engine logs its connection lines
         resolver = cluster.resolve_cluster(cluster_resolver, parameter_servers=True)
         if resolver is None:
             raise cluster.ClusterConfigError(
@@ -213,6 +214,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         # fit/evaluate/predict of its models go to parameter_server; partitioned
         # variables read as whole arrays.
         _compat.install(sharded_variable_reads=variable_partitioner is not None)
+        _announce.announce_async(self.num_workers, self.num_ps)
 
     def _wait_for_tasks(self, spec: tf.train.ClusterSpec, timeout: float) -> None:
         """Waits until every worker and parameter server listens; names those that do not."""

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster, data
-from keras_replicator._compat import engines, keras_trainer, preemption
+from keras_replicator import _announce, _compat, cluster, data
+from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
 from keras_replicator._validation import check_choice, check_number
 from keras_replicator.cross_device_ops import default_cross_device_ops
 
@@ -222,6 +222,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             on_sigterm = preemption.default_mode()
         self.on_sigterm = check_choice("on_sigterm", on_sigterm, list(preemption.MODES))
         implementation = _COMMUNICATION[communication]
+        tf_logging.install()  # before TensorFlow's engine logs "Using MirroredStrategy ..."
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)
         spec = resolver.cluster_spec() if resolver is not None else tf.train.ClusterSpec({})
@@ -254,6 +255,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
         keras_trainer.register_strategy(self)
+        _announce.announce(
+            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices,
+            _announce.all_reduce_name(extended.cross_device_ops, communication),
+            self.num_workers, self.worker_index,
+        )
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
@@ -337,12 +343,19 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
-            train = strategy.distribute_dataset(dataset, per_replica_batch_size=32)
-            model.fit(train, epochs=3)
+            import tensorflow as tf
+
+            x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+            dataset = tf.data.Dataset.from_tensor_slices((x, y))     # unbatched examples
+            train = strategy.distribute_dataset(dataset, per_replica_batch_size=8)
+            with strategy.scope():                   # the model of the strategy that distributes the data
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                model.compile("sgd", "mse")
+            model.fit(train, epochs=2, verbose=0)
 
             def input_fn(ctx):                       # called once per worker
-                return make_dataset().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            train = strategy.distribute_dataset(input_fn, global_batch_size=256)
+                return dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            train = strategy.distribute_dataset(input_fn, global_batch_size=16)
             ```
         """
         return data.distribute_dataset(
@@ -370,9 +383,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
+            import tensorflow as tf
+
+            dataset = tf.data.Dataset.from_tensor_slices(np.ones((128, 4), "float32"))
+
+            @tf.function
+            def step(batch):                         # on each replica, its half of the batch
+                return tf.reduce_sum(batch)
+
             dist = strategy.experimental_distribute_dataset(dataset.batch(64))
             for batch in dist:
-                strategy.run(step, args=(batch,))
+                sums = strategy.run(step, args=(batch,))
+                total = strategy.reduce("SUM", sums, axis=None)   # 256.0: 64 rows of 4 ones
             ```
         """
         distributed = data.distribute_batched_dataset(self, dataset, options)

@@ -195,6 +195,11 @@ def test_fit_evaluate_predict_and_save(start_job):
     j = start_job("fit", workers=2, ps=2)
     assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
     report = j.report()
+    # The chief names the strategy in one line; TensorFlow's engine INFO lines stay hidden.
+    chief = j.output("chief", 0)
+    assert ("keras_replicator: AsyncReplicatorStrategy: 2 worker(s) stepping asynchronously, "
+            "variables on 2 parameter server(s)") in chief
+    assert "INFO:tensorflow:" not in chief
     # Workers and parameter servers end by themselves, with status 0, once the chief is done.
     for task in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)):
         assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]

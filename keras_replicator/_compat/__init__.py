@@ -23,6 +23,7 @@ installed version is outside the range a module was checked on.
 | `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
+| `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
 object (nothing is patched when a module is imported), grouped in a
@@ -62,6 +63,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
+    "tf_logging": ("tensorflow", "2.16", "2.21"),
 }
 
 

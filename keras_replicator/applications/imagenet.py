@@ -140,7 +140,13 @@ def preprocess_for_train(
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.imagenet import example_seeds, preprocess_for_train
+
+        images = tf.data.Dataset.from_tensor_slices(tf.zeros((2, 300, 400, 3), tf.uint8))
+        ds = tf.data.Dataset.zip(images, example_seeds(0))   # a seed per example
         ds = ds.map(lambda image, seed: preprocess_for_train(image, seed, image_size=224))
+        image = next(iter(ds))          # (224, 224, 3) float32: a random crop, resized, flipped or not
         ```
 
     Args:
@@ -205,7 +211,13 @@ def preprocess_for_eval(
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.imagenet import preprocess_for_eval
+
+        images = tf.zeros((2, 300, 400, 3), tf.uint8)      # or JPEG bytes, as TFDS gives them
+        ds = tf.data.Dataset.from_tensor_slices((images, [7, 3]))
         ds = ds.map(lambda image, label: (preprocess_for_eval(image), label))
+        image, label = next(iter(ds))   # (224, 224, 3) float32: the central 262x262, resized
         ```
 
     Args:

@@ -80,9 +80,10 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
     tell ``compile`` not to add another one:
 
     ```python
-    opt = kr.optimizers.CrossReplicaOptimizer(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)))
-    model.compile(opt, loss, auto_scale_loss=False)
+    with strategy.scope():
+        opt = kr.optimizers.CrossReplicaOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)))
+        model.compile(opt, "mse", auto_scale_loss=False)
     ```
 
     The loss scale optimizer then sees the all-reduced gradient, so every replica
@@ -180,7 +181,8 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
         Example:
             ```python
-            opt.build(model.trainable_variables)
+            with strategy.scope():
+                opt.build(model.trainable_variables)   # fit does it before the first step
             ```
         """
         if self.built:
@@ -262,8 +264,27 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
         Example:
             ```python
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply(grads, model.trainable_variables)
+            import tensorflow as tf
+
+            with strategy.scope():
+                optimizer = kr.optimizers.CrossReplicaOptimizer(keras.optimizers.SGD(0.1))
+                optimizer.build(model.trainable_variables)
+            x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+            batches = strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(16))   # 8 examples per replica
+
+            @tf.function
+            def train_step(x, y):
+                def replica_step(x, y):
+                    with tf.GradientTape() as tape:
+                        per_example = keras.losses.mean_squared_error(y, model(x))
+                        loss = tf.nn.compute_average_loss(per_example, global_batch_size=16)
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    optimizer.apply(grads, model.trainable_variables)   # all-reduced (summed), applied
+                strategy.run(replica_step, args=(x, y))
+
+            for x_batch, y_batch in batches:
+                train_step(x_batch, y_batch)
             ```
         """
         grads = list(grads)

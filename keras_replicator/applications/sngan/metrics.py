@@ -44,7 +44,11 @@ def gaussian_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Example:
         ```python
-        mu, sigma = gaussian_statistics(features)
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import gaussian_statistics
+
+        features = np.random.default_rng(0).normal(size=(10_000, 2))
+        mu, sigma = gaussian_statistics(features)   # about [0, 0] and the 2x2 identity
         ```
     """
     f = np.asarray(features, np.float64)
@@ -67,7 +71,13 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
 
     Example:
         ```python
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import frechet_distance, gaussian_statistics
+
+        rng = np.random.default_rng(0)
+        real, fake = rng.normal(size=(10_000, 2)), rng.normal(1.0, size=(10_000, 2))
         fid = frechet_distance(*gaussian_statistics(real), *gaussian_statistics(fake))
+        # about 2.0: the means are sqrt(2) apart, the covariances equal
         ```
     """
     mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
@@ -87,7 +97,12 @@ def inception_score(probabilities: np.ndarray, splits: int = 1) -> tuple[float, 
 
     Example:
         ```python
-        score, spread = inception_score(probs, splits=10)
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import inception_score
+
+        probs = np.eye(10)[np.arange(100) % 10]    # confident, and every class as often
+        score, spread = inception_score(probs, splits=10)   # (10.0, 0.0): the number of classes
+        inception_score(np.full((100, 10), 0.1))             # (1.0, 0.0): the least
         ```
     """
     p = np.asarray(probabilities, np.float64)
@@ -149,7 +164,13 @@ def classifier_extractor(classifier: keras.Model, features_layer: str = "feature
 
     Example:
         ```python
-        extractor = classifier_extractor(train_digits_classifier(x, y))
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, train_digits_classifier)
+
+        x, y = sngan.digits(32)
+        extractor = classifier_extractor(train_digits_classifier(x[:256], y[:256], epochs=1))
+        features, probs = extractor(x[:8])   # (8, 64) and (8, 10)
         ```
     """
     return _two_outputs(classifier, classifier.get_layer(features_layer), "classifier_extractor")
@@ -191,8 +212,12 @@ def train_digits_classifier(
 
     Example:
         ```python
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import train_digits_classifier
+
         x, y = sngan.digits(32)
-        clf = train_digits_classifier(x, y)
+        clf = train_digits_classifier(x[:256], y[:256], epochs=1)   # all and 15 epochs by default
+        probs = clf.predict(x[:8], verbose=0)                       # (8, 10)
         ```
     """
     keras.utils.set_random_seed(seed)
@@ -259,7 +284,13 @@ def real_features(extractor: keras.Model, images: np.ndarray, batch_size: int = 
 
     Example:
         ```python
-        feats, probs = real_features(extractor, x_real)
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, digits_classifier, real_features)
+
+        x_real, _ = sngan.digits(32)
+        extractor = classifier_extractor(digits_classifier(32))   # untrained here: use a trained one
+        feats, probs = real_features(extractor, x_real[:100])     # (100, 64) and (100, 10)
         ```
     """
     with _on_one_device_on_purpose():
@@ -287,8 +318,20 @@ def generated_features(
 
     Example:
         ```python
+        import dataclasses
+        import keras_replicator as kr
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, digits_classifier, generated_features)
+
+        strategy = kr.ReplicatorStrategy()
+        config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
+        with strategy.scope():
+            generator = sngan.generator(config, 10)        # a trained one: gan.sampler()
+            extractor = classifier_extractor(digits_classifier(16))
         feats, probs, labels = generated_features(
-            strategy, gan.sampler(), extractor, num_samples=1000, num_classes=10)
+            strategy, generator, extractor, num_samples=100, num_classes=10, per_replica_batch=32)
+        # (100, 64), (100, 10) and (100,): 2 rounds of 32 samples on each replica, 28 dropped
         ```
     """
     num_samples = check_int("num_samples", num_samples, minimum=1)
