@@ -469,14 +469,14 @@ def distribute_dataset(
     Example:
         ```python
         # An unbatched dataset: batched, sharded and split for you.
-        train = strategy.distribute_dataset(dataset.shuffle(10_000), global_batch_size=256)
+        train = strategy.distribute_dataset(dataset.shuffle(450), global_batch_size=64)
+        model.fit(train, epochs=1, verbose=0)
 
-        # A TF-Replicator input_fn: called once per input pipeline (worker).
+        # A TF-Replicator input_fn: called once per input pipeline (worker), with its context.
         def input_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-            return tfds.load("mnist", split="train", as_supervised=True,
-                             read_config=tfds.ReadConfig(input_context=ctx))
-        train = strategy.distribute_dataset(input_fn, per_replica_batch_size=64)
-        model.fit(train, epochs=10)
+            return dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        train = strategy.distribute_dataset(input_fn, per_replica_batch_size=16)
+        model.fit(train, epochs=1, verbose=0)
         ```
 
     Args:

@@ -48,14 +48,25 @@ ASYNC = (
     "needs a cluster of a chief, workers and parameter servers: tests/test_async.py runs this"
     " job (test_fit_evaluate_predict_and_save)"
 )
+SNGAN_RUN = (
+    "trains the SN-GAN command's run (compiling the GAN step alone takes minutes on the suite's "
+    "2 cores): tests/test_sngan_command.py runs it through the command line"
+)
+RAY_TRAIN = (
+    "runs inside a Ray Train worker, or starts Ray: tests/test_ray_train.py runs these on a "
+    "local instance on 127.0.0.1 (and the guide's program, docs/ray.md)"
+)
 NOT_RUN: dict[str, str] = {
     # keras_replicator/applications
     "keras_replicator.applications.d4pg.actors": RAY,
     "keras_replicator.applications.d4pg.actors:make_actors": RAY,
     "keras_replicator.applications.d4pg.actors:start_ray": RAY,
     "keras_replicator.applications.d4pg.training": TRAIN,
-    "keras_replicator.applications.d4pg.training:Feeder": "TODO(coordinator): make it "
-        "self-contained (it still starts Ray: then the reason is RAY). " + RAY,
+    "keras_replicator.applications.d4pg.feeder:Feeder": RAY,
+    "keras_replicator.applications.d4pg.training:Evaluation": (
+        "a callback of training.run, which needs the actors (Ray) and trains for minutes: "
+        "tests/test_d4pg_replicated.py runs run (test_training_writes_outputs_and_resumes)"),
+    "keras_replicator.applications.d4pg.training:run": TRAIN,
     "keras_replicator.applications.d4pg.training:train": TRAIN,
     "keras_replicator.applications.d4pg.learner": (
         "compiles the D4PG update for fit: 30 s to over 2 min on the suite's 2 loaded cores; "
@@ -74,6 +85,8 @@ NOT_RUN: dict[str, str] = {
         "needs an InceptionV3 weights file the user downloads (nothing is downloaded at run "
         "time): tests/test_sngan_metrics.py loads a saved random InceptionV3 "
         "(test_inception_extractor_from_a_weights_file_at_small_size)"),
+    "keras_replicator.applications.sngan.builder": SNGAN_RUN,
+    "keras_replicator.applications.sngan.builder:Interval": SNGAN_RUN,
     "keras_replicator.applications.sngan.training:SNGAN": (
         "compiles the GAN step (5 discriminator and 1 generator update) for fit: 2-3 "
         "minutes on the suite's 2 loaded cores; tests/test_sngan.py fits SNGAN on digits on 1 "
@@ -95,15 +108,16 @@ NOT_RUN: dict[str, str] = {
         "checks this error (test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_"
         "chiefs_backup)"),
     # the launcher starts processes and waits for other nodes
-    "keras_replicator.launch:launch": (
+    "keras_replicator.launch.api:launch": (
         "starts a job of worker processes running the user's train.py: tests/test_launch.py "
         "launches scripts and modules (test_a_module_runs_as_with_python_dash_m)"),
-    "keras_replicator.launch:rendezvous": (
+    "keras_replicator.launch.tcp_rendezvous:rendezvous": (
         "waits for the launcher of another node at 10.0.0.1: tests/test_launch.py runs the "
         "rendezvous of two nodes on 127.0.0.1 (test_nnodes_find_each_other_through_the_master)"),
-    # keras_replicator/data.py
-    "keras_replicator.data:distribute_dataset": "TODO(coordinator): replace tfds.load('mnist') "
-        "(a download, and tfds is not imported) by a shard of the module example's dataset.",
+    # Ray Train: inside its workers
+    "keras_replicator.ray_train:init_local": RAY_TRAIN,
+    "keras_replicator.ray_train:ReportCheckpoint": RAY_TRAIN,
+    "keras_replicator.ray_train:dataset_shard": RAY_TRAIN,
 }
 
 

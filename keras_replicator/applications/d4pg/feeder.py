@@ -24,8 +24,19 @@ class Feeder:
 
     Example:
         ```python
-        feeder = Feeder(pool, replay, limiter, weights_fn, batch_size=256)
-        batch = next(feeder.batches())
+        from keras_replicator.applications import d4pg
+        from keras_replicator.applications.d4pg import actors
+        from keras_replicator.applications.d4pg.feeder import Feeder
+
+        policy = d4pg.make_policy(3, low=[-2.0], high=[2.0])          # Pendulum-v1
+        actors.start_ray()                                            # on 127.0.0.1
+        pool = actors.make_actors("Pendulum-v1", 2, seed=0)
+        replay = d4pg.ReplayBuffer(capacity=100_000, obs_dim=3, action_dim=1, seed=0)
+        limiter = d4pg.RateLimiter(samples_per_insert=32, min_size_to_sample=1000)
+        feeder = Feeder(pool, replay, limiter, policy.get_weights, batch_size=256)
+        batch = next(feeder.batches())   # 256 transitions, once the actors have inserted 1,000
+        feeder.drain()
+        actors.stop_ray()
         ```
     """
 
