@@ -148,7 +148,7 @@ def test_prefetches_to_every_replica_device(strategy):
     pipeline = data.make_input_fn(tf.data.Dataset.range(64), global_batch_size=16)(
         tf.distribute.InputContext(1, 0, 4))
     # Autotuning is TensorFlow's default (unset: on), which ReplicatorStrategy turns off for CPU
-    # replicas' iterators (issue 21, tests/test_iterator_stall.py).
+    # replicas' iterators (the autotuning-thread stall, tests/test_iterator_stall.py).
     assert pipeline.options().autotune.enabled is None and pipeline.options().deterministic is True
 
 

@@ -419,7 +419,7 @@ def test_conditional_training_matches_one_device(strategy):
     assert np.abs(gamma - 1).max() > 1e-3  # the per-class tables trained
 
 
-# --- plain Keras BatchNormalization under ReplicatorStrategy (issue item 4) -------------
+# --- plain Keras BatchNormalization under ReplicatorStrategy (moving statistics kept identical) -------------
 
 
 def replica_dependent_data():

@@ -1,4 +1,4 @@
-"""Per-device input iterators without tf.data autotuning (issue 21: the stall that doubles).
+"""Per-device input iterators without tf.data autotuning (the epoch-start stall whose sleeps double).
 
 What: TensorFlow's `OwnedMultiDeviceIterator` (private, `tensorflow.python.data.ops.
 multi_device_iterator_ops`), which every `tf.distribute` strategy's distributed
