@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(TF_EXTRA)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs,rl]"
+	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs,rl,ray,k8s]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,7 +3,7 @@
 Sub-commands:
     info    the versions and the devices a ReplicatorStrategy would use here.
     launch  run a script as the worker processes of one multi-worker job.
-    k8s     print a Kubeflow TFJob manifest running a script on N worker pods.
+    k8s     print a Kubernetes JobSet (or TFJob, TrainJob) running a script on N worker pods.
 
 Only ``info`` imports TensorFlow; ``--help``, ``launch`` and ``k8s`` do not.
 """
@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from keras_replicator.launch import config as launch_config
 
 _Number = TypeVar("_Number", int, float)
 
@@ -45,7 +48,12 @@ def _number_type(
 
     Example:
         ```python
+        import argparse
+        from keras_replicator.__main__ import _number_type
+
+        parser = argparse.ArgumentParser()
         parser.add_argument("--workers", type=_number_type(int, "at least 1", lambda v: v >= 1))
+        parser.parse_args(["--workers", "2"]).workers   # 2; "--workers 0" exits: "must be at least 1, got 0"
         ```
     """
     noun = "an integer" if convert is int else "a number"
@@ -80,54 +88,72 @@ def _add_job_arguments(
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def _launch(args: argparse.Namespace) -> int:
-    from keras_replicator import launch  # no TensorFlow: the launcher starts at once
+def config_from_args(args: argparse.Namespace) -> launch_config.LaunchConfig:
+    """The `LaunchConfig` of ``keras-replicator launch``'s parsed arguments (checked there).
+
+    Example:
+        ```python
+        args = build_parser().parse_args(["launch", "--workers", "2", "-m", "json.tool"])
+        config_from_args(args).command   # [sys.executable, '-m', 'json.tool']
+        ```
+    """
+    from keras_replicator.launch import LaunchConfig  # no TensorFlow: the launcher starts at once
 
     gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g.strip()]
+    return LaunchConfig(
+        args.script,
+        args.args,
+        workers=args.workers,
+        devices_per_worker=args.devices_per_worker,
+        host=args.host,
+        hosts=args.hosts,
+        node_rank=args.node_rank,
+        port=args.port,
+        nnodes=args.nnodes,
+        master=args.master,
+        rendezvous_timeout=args.rendezvous_timeout,
+        max_restarts=args.max_restarts,
+        ps=args.ps,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        gpus=gpus,
+        grace=args.grace,
+        timeout=args.timeout,
+        module=args.module,
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from keras_replicator.launch import launch
+
+    config = config_from_args(args)
     try:
-        return launch.launch(
-            args.script,
-            args.args,
-            workers=args.workers,
-            devices_per_worker=args.devices_per_worker,
-            host=args.host,
-            hosts=args.hosts,
-            node_rank=args.node_rank,
-            port=args.port,
-            nnodes=args.nnodes,
-            master=args.master,
-            rendezvous_timeout=args.rendezvous_timeout,
-            max_restarts=args.max_restarts,
-            ps=args.ps,
-            log_dir=args.log_dir,
-            tee=args.tee,
-            gpus=gpus,
-            grace=args.grace,
-            timeout=args.timeout,
-            module=args.module,
-        )
+        return launch(config)
     except TimeoutError as e:  # the rendezvous of --nnodes did not complete
         sys.stderr.write(f"keras-replicator launch: {e}\n")
         return 1
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from keras_replicator import launch
+    from keras_replicator.launch import k8s_manifest
 
-    sys.stdout.write(
-        launch.k8s_manifest(
-            args.script,
-            args.args,
-            workers=args.workers,
-            image=args.image,
-            name=args.name,
-            namespace=args.namespace,
-            gpus_per_worker=args.gpus_per_worker,
-            restart_policy=args.restart_policy,
-            ps=args.ps,
-            module=args.module,
-        )
+    # Built and checked in full before anything is printed.
+    text = k8s_manifest(
+        args.script,
+        args.args,
+        workers=args.workers,
+        image=args.image,
+        kind=args.kind,
+        name=args.name,
+        namespace=args.namespace,
+        gpus_per_worker=args.gpus_per_worker,
+        max_restarts=args.max_restarts,
+        restart_policy=args.restart_policy,
+        ps=args.ps,
+        module=args.module,
+        port=args.port,
     )
+    sys.stdout.write(text)
     return 0
 
 
@@ -194,19 +220,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     k8s = commands.add_parser(
         "k8s",
-        help="print a Kubeflow TFJob manifest for the same job",
-        description="Prints a Kubeflow TFJob running SCRIPT (a path inside IMAGE) on N worker "
-        "pods; the training operator sets TF_CONFIG in each. Apply with: kubectl apply -f -",
+        help="print a Kubernetes JobSet (or TFJob, TrainJob) for the same job",
+        description="Prints a JobSet (jobset.x-k8s.io/v1alpha2) running SCRIPT (a path inside "
+        "IMAGE) directly on N worker pods; kr.ReplicatorStrategy() finds the cluster in what "
+        "JobSet gives each pod. With --ps M: a chief, the workers and M parameter servers. "
+        "--kind tfjob prints a Kubeflow TFJob instead, --kind trainjob a Kubeflow Trainer "
+        "TrainJob and its ClusterTrainingRuntime. Apply with: kubectl apply -f -",
     )
     _add_job_arguments(k8s, "the script's path inside the image")
     k8s.add_argument("--image", required=True, help="container image with the script")
-    k8s.add_argument("--name", default="keras-replicator", help="the TFJob's name")
+    k8s.add_argument("--kind", choices=["jobset", "tfjob", "trainjob"], default="jobset",
+                     help="what to print (default jobset)")
+    k8s.add_argument("--name", default="keras-replicator", help="the job's name")
     k8s.add_argument("--namespace", default=None)
     k8s.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
-                     help="a parameter-server job: Chief, N Worker and M PS replicas")
-    k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G")
-    k8s.add_argument("--restart-policy", default="OnFailure",
-                     choices=["OnFailure", "Always", "Never", "ExitCode"])
+                     help="a parameter-server job: a chief, N workers and M parameter servers")
+    k8s.add_argument("--gpus-per-worker", type=_non_negative_int, default=0, metavar="G",
+                     help="nvidia.com/gpu limit of each chief and worker pod")
+    k8s.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                     help="JobSet/TrainJob: restart the whole job after a failure, up to N times "
+                     "(failurePolicy.maxRestarts); with --ps a failed worker pod is replaced alone")
+    k8s.add_argument("--port", type=_number_type(int, "in 1..65535", lambda v: 1 <= v <= 65535),
+                     default=2222, help="the port every task listens on (default 2222)")
+    k8s.add_argument("--restart-policy", default=None, choices=["OnFailure", "Always", "Never", "ExitCode"],
+                     help="--kind tfjob only: the pods' restart policy (default OnFailure)")
     k8s.set_defaults(func=_k8s)
     return parser
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster
-from keras_replicator._compat import parameter_server as _ps_compat
-from keras_replicator._compat import tf_data
+from keras_replicator import _announce, _compat, cluster
+from keras_replicator._compat import tf_data, tf_logging
 from keras_replicator._validation import check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
+from keras_replicator.launch.addresses import split_address
 
 __all__ = ["AsyncDataset", "AsyncReplicatorStrategy"]
 
@@ -37,15 +37,10 @@ _SERVING = "keras_replicator: {name} is serving; it ends when the chief ends the
 _ENDING = "keras_replicator: the chief at {address} ended the job; {name} exits"
 
 
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def _reachable(address: str, timeout: float = 1.0) -> bool:
     """True if a TCP connection to `host:port` opens (a task's gRPC server is listening)."""
     try:
-        with socket.create_connection(_split_address(address), timeout=timeout):
+        with socket.create_connection(split_address(address), timeout=timeout):
             return True
     except OSError:
         return False
@@ -160,7 +155,8 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
             whose cluster has one "chief", one or more "worker" and "ps" tasks.
-            `None` reads `TF_CONFIG`, then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
+            `None` reads `TF_CONFIG`, then a Kubernetes JobSet pod's environment
+            (`keras_replicator.cluster.jobset_cluster`), then Slurm (`KERAS_REPLICATOR_SLURM_NUM_PS`
             of the tasks are parameter servers; see
             `keras_replicator.cluster.slurm_cluster`).
         variable_partitioner: a `tf.distribute.experimental.partitioners.Partitioner`
@@ -197,6 +193,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
+        tf_logging.install()  # before TensorFlow's engine logs its connection lines
         resolver = cluster.resolve_cluster(cluster_resolver, parameter_servers=True)
         if resolver is None:
             raise cluster.ClusterConfigError(
@@ -214,9 +211,10 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         self._wait_for_tasks(spec, startup_timeout)
         super().__init__(resolver, variable_partitioner=variable_partitioner)
         self._kr_coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
-        _compat.install()  # fit/evaluate/predict of its models go to parameter_server
-        if variable_partitioner is not None:
-            _ps_compat.install_sharded_variable_reads()
+        # fit/evaluate/predict of its models go to parameter_server; partitioned
+        # variables read as whole arrays.
+        _compat.install(sharded_variable_reads=variable_partitioner is not None)
+        _announce.announce_async(self.num_workers, self.num_ps)
 
     def _wait_for_tasks(self, spec: tf.train.ClusterSpec, timeout: float) -> None:
         """Waits until every worker and parameter server listens; names those that do not."""

@@ -1,7 +1,7 @@
 """Where am I: local devices, simulated CPU replicas, and the cluster of a multi-worker job.
 
 A multi-worker job is described by ``TF_CONFIG`` (Kubeflow, the launcher), by
-Slurm's environment (``srun``), or by an explicit
+a Kubernetes JobSet pod's environment, by Slurm's environment (``srun``), or by an explicit
 ``tf.distribute.cluster_resolver.ClusterResolver``; `resolve_cluster`
 picks and checks it, so that a malformed description fails with a clear message
 before any worker waits for another.
@@ -24,6 +24,9 @@ from keras_replicator.errors import (
     ClusterConfigError,
     DeviceConfigurationError,
 )
+from keras_replicator.jobset import jobset_cluster_dict
+from keras_replicator.launch.addresses import split_address
+from keras_replicator.launch.environment import DEVICES_PER_WORKER_ENV
 
 _T = TypeVar("_T")
 
@@ -111,9 +114,6 @@ def local_devices() -> list[str]:
 
 # --- Multi-worker: which cluster am I part of? -------------------------------
 
-# Set by ``keras-replicator launch --devices-per-worker K`` (see launch.py); read
-# when a ReplicatorStrategy is created.
-DEVICES_PER_WORKER_ENV = "KERAS_REPLICATOR_DEVICES_PER_WORKER"
 # Optional first port of a Slurm job's workers on each node (see slurm_cluster).
 SLURM_PORT_BASE_ENV = "KERAS_REPLICATOR_SLURM_PORT_BASE"
 # How many tasks of a Slurm job step are parameter servers (AsyncReplicatorStrategy).
@@ -123,7 +123,6 @@ SLURM_NUM_PS_ENV = "KERAS_REPLICATOR_SLURM_NUM_PS"
 # and in asynchronous parameter-server training (AsyncReplicatorStrategy).
 _TRAINING_JOBS = ("chief", "worker")
 _PS_JOBS = ("chief", "worker", "ps")
-_ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,5})")
 
 
 
@@ -131,11 +130,10 @@ _ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(?P<port>\d{1,
 
 
 def _check_address(address, where: str) -> str:
-    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
-        raise ClusterConfigError(f"{where}: {address!r} is not an address of the form host:port.")
-    port = int(_ADDRESS.fullmatch(address).group("port"))
-    if not 1 <= port <= 65535:
-        raise ClusterConfigError(f"{where}: port {port} of {address!r} is not in 1..65535.")
+    try:
+        split_address(address, where)
+    except ValueError as e:
+        raise ClusterConfigError(str(e)) from None
     return address
 
 
@@ -432,12 +430,58 @@ def slurm_cluster(
     )
 
 
+def jobset_cluster(
+    environ: Mapping[str, str] | None = None,
+    *,
+    parameter_servers: bool = False,
+) -> tf.distribute.cluster_resolver.ClusterResolver | None:
+    """The cluster of the Kubernetes JobSet pod this process runs in; ``None`` outside one.
+
+    Reads what the JobSet of ``keras-replicator k8s`` gives each pod: its
+    replicated job, Job index and completion index say which task it is; the
+    replicated jobs' sizes, the JobSet's name and the port give every task's
+    address, the pods' DNS names under the JobSet's headless service
+    (``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>:<port>``).
+    See `keras_replicator.jobset` for the variables.
+
+    Example:
+        ```python
+        import keras_replicator as kr
+        env = {"JOBSET_NAME": "train", "REPLICATED_JOB_NAME": "worker", "JOB_INDEX": "0",
+               "JOB_COMPLETION_INDEX": "0", "KERAS_REPLICATOR_JOBSET_JOBS": "worker=2",
+               "KERAS_REPLICATOR_JOBSET_PORT": "2222"}
+        resolver = kr.cluster.jobset_cluster(env)
+        print(resolver.cluster_spec().as_dict())
+        # {'worker': ['train-worker-0-0.train:2222', 'train-worker-1-0.train:2222']}
+        ```
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+        parameter_servers: check it as the cluster of an ``AsyncReplicatorStrategy``.
+
+    Returns:
+        A ``SimpleClusterResolver``, or ``None`` outside a JobSet pod or in a
+        JobSet of a single task.
+
+    Raises:
+        ClusterConfigError: the environment is half set or inconsistent.
+    """
+    found = jobset_cluster_dict(environ)
+    if found is None or sum(len(a) for a in found[0].values()) == 1:
+        return None
+    spec, task_type, task_id = found
+    _check_cluster(spec, task_type, task_id, "JobSet", parameter_servers)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=task_type, task_id=task_id, rpc_layer="grpc"
+    )
+
+
 def resolve_cluster(
     cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
     *,
     parameter_servers: bool = False,
 ) -> tf.distribute.cluster_resolver.ClusterResolver | None:
-    """The cluster this process belongs to: the argument, else ``TF_CONFIG``, else Slurm.
+    """The cluster this process belongs to: the argument, else ``TF_CONFIG``, a JobSet pod, Slurm.
 
     Example:
         ```python
@@ -450,8 +494,8 @@ def resolve_cluster(
         cluster_resolver: an explicit ``tf.distribute.cluster_resolver.ClusterResolver``
             (checked like ``TF_CONFIG``).
         parameter_servers: resolve the cluster of an ``AsyncReplicatorStrategy``
-            (a chief, workers and parameter servers; see `tf_config_cluster`
-            and `slurm_cluster`).
+            (a chief, workers and parameter servers; see `tf_config_cluster`,
+            `jobset_cluster` and `slurm_cluster`).
 
     Returns:
         A checked resolver, or ``None`` when nothing describes a cluster.
@@ -461,8 +505,9 @@ def resolve_cluster(
     """
     if cluster_resolver is None:
         if parameter_servers:
-            return tf_config_cluster(parameter_servers=True) or slurm_cluster(num_ps=None)
-        return tf_config_cluster() or slurm_cluster()
+            return (tf_config_cluster(parameter_servers=True)
+                    or jobset_cluster(parameter_servers=True) or slurm_cluster(num_ps=None))
+        return tf_config_cluster() or jobset_cluster() or slurm_cluster()
     if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
         raise TypeError(
             "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver such as "

@@ -84,7 +84,12 @@ def _check_op(op: str) -> str:
     return op.lower()
 
 
-def _check_group_size(group_size: int | None, n: int) -> int | None:
+def check_group_size(group_size: int | None, n: int) -> int | None:
+    """``group_size`` checked against ``n`` replicas (internal; grouped batch norm shares it).
+
+    Returns ``None`` for "all replicas" (``None`` or ``n``), else ``group_size``,
+    which must be a positive integer dividing ``n``.
+    """
     if group_size is None or group_size == n:
         return None
     check_int("group_size", group_size, minimum=1)
@@ -121,7 +126,7 @@ def all_reduce(x: Any, op: str = "sum", *, group_size: int | None = None) -> Any
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return x
     n = ctx.num_replicas_in_sync
-    group_size = _check_group_size(group_size, n)
+    group_size = check_group_size(group_size, n)
     keras_xla.refuse_collective_in_compiled("kr.all_reduce")
     if group_size is None and op in ("sum", "mean"):
         return ctx.all_reduce(op.upper(), x)

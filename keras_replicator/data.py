@@ -58,6 +58,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator import input_pipeline
 from keras_replicator._compat import tf_data
 from keras_replicator._validation import check_bool, check_choice, check_int
 
@@ -77,13 +78,11 @@ SHARD_POLICIES = ("auto", "file", "data", "off")
 DatasetOrFn = tf.data.Dataset | Callable[[tf.distribute.InputContext], tf.data.Dataset]
 """A ``tf.data.Dataset``, or a function ``input_fn(input_context) -> tf.data.Dataset``."""
 
-_AUTOTUNE = tf.data.AUTOTUNE
-
 
 # --- argument checks ------------------------------------------------------------
 
 
-def _resolve_global_batch(global_batch_size, per_replica_batch_size, num_replicas: int) -> int:
+def _check_one_batch_size(global_batch_size, per_replica_batch_size) -> None:
     if (global_batch_size is None) == (per_replica_batch_size is None):
         raise ValueError(
             "Give exactly one of global_batch_size and per_replica_batch_size "
@@ -91,6 +90,10 @@ def _resolve_global_batch(global_batch_size, per_replica_batch_size, num_replica
             f"per_replica_batch_size={per_replica_batch_size!r}); the other is derived from "
             "the number of replicas."
         )
+
+
+def _resolve_global_batch(global_batch_size, per_replica_batch_size, num_replicas: int) -> int:
+    """The global batch over ``num_replicas`` (the batch sizes given are already checked)."""
     if per_replica_batch_size is not None:
         return int(per_replica_batch_size) * num_replicas
     global_batch_size = int(global_batch_size)
@@ -139,142 +142,7 @@ def pipeline_seed(seed: int, input_context: tf.distribute.InputContext) -> int:
     return int(state.generate_state(1, dtype=np.uint32)[0] & 0x7FFF_FFFF)
 
 
-# --- splitting and re-cutting batches ----------------------------------------------
-
-
-def _leaves_supported(element_spec) -> bool:
-    specs = [s for s in tf.nest.flatten(element_spec) if s is not None]
-    return bool(specs) and all(
-        isinstance(s, (tf.TensorSpec, tf.RaggedTensorSpec)) and s.shape.rank is not None and s.shape.rank >= 1
-        for s in specs
-    )
-
-
-def _recuttable(element_spec) -> bool:
-    """Batches can be concatenated: dense components with fully known non-batch dimensions."""
-    specs = [s for s in tf.nest.flatten(element_spec) if s is not None]
-    return all(isinstance(s, tf.TensorSpec) and s.shape[1:].is_fully_defined() for s in specs)
-
-
-def _rows(batch) -> tf.Tensor:
-    """The number of examples in a batch (its first component's leading dimension)."""
-    for t in tf.nest.flatten(batch):
-        if isinstance(t, tf.RaggedTensor):
-            return tf.cast(t.nrows(), tf.int64)
-        if t is not None:
-            return tf.shape(t, out_type=tf.int64)[0]
-    raise ValueError("A batch must contain at least one tensor.")
-
-
-def _map_leaves(fn, structure):
-    return tf.nest.map_structure(lambda t: None if t is None else fn(t), structure)
-
-
-def _recut_tail(batches: tf.data.Dataset, minimum: int) -> tf.data.Dataset:
-    """Re-cuts a stream of batches so that each has at least ``minimum`` rows.
-
-    Same rows in the same order. A batch smaller than ``minimum`` (the short
-    last batch) is merged with the batch before it and the two are cut again:
-    ``[..., 64, 2]`` becomes ``[..., 62, 4]`` for ``minimum=4``. Only when the
-    whole stream has fewer than ``minimum`` rows does a smaller batch remain.
-    Batches of ``minimum`` rows or more pass through without a copy.
-    """
-    spec = batches.element_spec
-    empty = tf.nest.map_structure(
-        lambda s: None if s is None else tf.zeros([0, *s.shape[1:].as_list()], s.dtype), spec
-    )
-    # zip, not map: map would unpack a batch that is a tuple.
-    flags = tf.data.Dataset.from_tensors(False).repeat()
-    stream = tf.data.Dataset.zip((batches, flags)).concatenate(
-        tf.data.Dataset.from_tensors((empty, True))
-    )
-    minimum = tf.constant(minimum, tf.int64)
-
-    def step(pending, item):
-        current, at_end = item
-        p, c = _rows(pending), _rows(current)
-        plain = at_end | tf.equal(p, 0) | ((p >= minimum) & (c >= minimum))
-
-        def pass_through():
-            # At the end: emit what is pending (if any). First batch: keep it. Else emit pending,
-            # keep current.
-            emit_pending = tf.greater(p, 0)
-            keep = tf.nest.map_structure(
-                lambda e, cur: None if e is None else cur, empty, current
-            )
-            return pending, emit_pending, keep
-
-        def merge():
-            both = tf.nest.map_structure(
-                lambda a, b: None if a is None else tf.concat([a, b], axis=0), pending, current
-            )
-            total = p + c
-            cut = tf.where(total >= 2 * minimum, total - minimum, tf.constant(0, tf.int64))
-            emitted = _map_leaves(lambda t: t[:cut], both)
-            kept = _map_leaves(lambda t: t[cut:], both)
-            return emitted, cut > 0, kept
-
-        emitted, valid, kept = tf.cond(plain, pass_through, merge)
-        return kept, (emitted, valid)
-
-    def is_valid(emitted, valid):
-        return valid
-
-    def batch_of(emitted, valid):
-        return emitted
-
-    return stream.scan(empty, step).filter(is_valid).map(batch_of)
-
-
-def _split(batches: tf.data.Dataset, num_slices: int, first: int, step: int, static_rows: int | None):
-    """Splits every batch into ``num_slices`` contiguous slices; keeps ``first, first + step, ...``.
-
-    Slice ``j`` of a batch of ``n`` rows has ``n // num_slices`` rows, one more for
-    ``j < n % num_slices``; the slices of one batch together are the batch, in order.
-    """
-    leaves = [spec for spec in tf.nest.flatten(batches.element_spec) if spec is not None]
-    if static_rows is not None and all(
-        isinstance(spec, tf.TensorSpec) and spec.shape.rank and spec.shape[0] == num_slices * static_rows
-        for spec in leaves
-    ):
-        # Dense batches of num_slices * static_rows rows: a reshape and an unbatch,
-        # instead of a nested dataset per batch (measured: a few % of a small model's
-        # step time on 2 cores).
-        def as_slices(batch):
-            def cut(t):
-                shape = [num_slices, static_rows, *t.shape[1:]]
-                t = tf.reshape(t, tf.concat([[num_slices, static_rows], tf.shape(t)[1:]], 0))
-                return tf.ensure_shape(t, shape)[first::step]
-
-            return _map_leaves(cut, batch)
-
-        return tf.data.Dataset.zip((batches,)).map(as_slices).unbatch()
-
-    num = tf.constant(num_slices, tf.int64)
-
-    def slices(batch):
-        n = _rows(batch)
-        q, rem = n // num, n % num
-
-        def one(j):
-            start = j * q + tf.minimum(j, rem)
-            size = q + tf.cast(j < rem, tf.int64)
-            piece = _map_leaves(lambda t: t[start : start + size], batch)
-            if static_rows is not None:
-                piece = _map_leaves(
-                    lambda t: tf.ensure_shape(t, [static_rows, *t.shape[1:]])
-                    if isinstance(t, tf.Tensor)
-                    else t,
-                    piece,
-                )
-            return piece
-
-        return tf.data.Dataset.range(first, num_slices, step).map(one)
-
-    return tf.data.Dataset.zip((batches,)).flat_map(slices)  # zip: the batch arrives whole
-
-
-# --- the per-pipeline input function --------------------------------------------
+# --- planning one pipeline --------------------------------------------------------
 
 
 def _policy_from_options(dataset: tf.data.Dataset) -> str | None:
@@ -283,122 +151,6 @@ def _policy_from_options(dataset: tf.data.Dataset) -> str | None:
     P = tf.data.experimental.AutoShardPolicy
     mapping = {P.OFF: "off", P.AUTO: "auto", P.FILE: "file", P.DATA: "data"}
     return mapping.get(policy)
-
-
-def _pipeline(
-    dataset: tf.data.Dataset,
-    input_context: tf.distribute.InputContext,
-    *,
-    global_batch: int | None,
-    source_batch: int | None,
-    source_drops: bool | None,
-    from_fn: bool,
-    batched: bool,
-    policy: str,
-    drop: bool,
-    shuffle_buffer_size: int | None,
-    seed: int | None,
-) -> tf.data.Dataset:
-    """One input pipeline's dataset of per-replica batches (arguments already checked)."""
-    num_replicas = int(input_context.num_replicas_in_sync)
-    pipelines = int(input_context.num_input_pipelines)
-    index = int(input_context.input_pipeline_id)
-    local = num_replicas // pipelines
-    infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
-
-    if pipelines > 1 and policy in ("file", "off") and batched and global_batch is None:
-        policy = "data"  # batches of unknown size cannot be re-batched per pipeline
-    if policy == "file" and pipelines > 1:
-        dataset = tf_data.auto_shard(dataset, pipelines, index, num_replicas)
-    # Data sharding: every pipeline reads all global batches and keeps its replicas' slices,
-    # so that all pipelines run the same number of steps.
-    slice_level = policy == "data" and pipelines > 1
-    if shuffle_buffer_size is not None:
-        if slice_level:
-            if seed is None:
-                raise ValueError(
-                    "With data sharding every input pipeline reads all the data and keeps its "
-                    "own slice of each global batch, so all must shuffle identically: give seed=."
-                )
-        elif seed is not None:
-            seed = pipeline_seed(seed, input_context)
-        dataset = dataset.shuffle(shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
-
-    if global_batch is None:  # Keras's batches, as they come
-        stream_batch = source_batch
-    else:
-        stream_batch = global_batch if slice_level else global_batch // pipelines
-    if not batched:
-        batches = dataset.batch(stream_batch, drop_remainder=drop)
-        uniform = True
-    elif stream_batch != source_batch if from_fn else (policy in ("file", "off") and pipelines > 1):
-        # Per-replica batches of an input_fn, or one pipeline's share of global batches: re-batch.
-        batches = dataset.rebatch(stream_batch, drop_remainder=drop)
-        uniform = True
-        known = _rebatched_count(int(dataset.cardinality()), source_batch, source_drops, stream_batch, drop)
-        if known is not None:
-            batches = batches.apply(tf.data.experimental.assert_cardinality(known))
-    else:
-        batches = dataset
-        uniform = source_batch is not None
-        if drop and not source_drops:
-            size = tf.constant(stream_batch, tf.int64)
-
-            def is_full(batch):
-                return tf.equal(_rows(batch), size)
-
-            def unwrap(batch):
-                return batch
-
-            # zip, not the dataset itself: filter and map would unpack a batch that is a tuple.
-            batches = tf.data.Dataset.zip((batches,)).filter(is_full).map(unwrap)
-            uniform = False
-
-    if not _leaves_supported(batches.element_spec):
-        raise TypeError(
-            "distribute_dataset supports batches of dense or ragged tensors with a batch "
-            f"dimension; got element_spec {batches.element_spec}."
-        )
-    threshold = num_replicas if slice_level else local
-    count = int(batches.cardinality())
-    if not (infinite or drop) and _recuttable(batches.element_spec):
-        batches = _recut_tail(batches, threshold)
-        # Re-cutting keeps the number of batches unless a short last batch had to be merged
-        # whole into the one before it (only with batches of fewer than 2 x threshold rows).
-        keeps_count = stream_batch is not None and stream_batch >= 2 * threshold
-        if not (uniform and count >= 0 and (keeps_count or count <= 1)):
-            count = tf.data.UNKNOWN_CARDINALITY
-    # Slice j of a global batch goes to pipeline j % pipelines, as its local replica
-    # j // pipelines: TensorFlow's own layout for data sharding, which Keras's multi-worker
-    # predict (_multi_worker_concat) reassembles in order.
-    first, step = (index, pipelines) if slice_level else (0, 1)
-    per_replica = None if global_batch is None else global_batch // num_replicas
-    static_rows = per_replica if (drop and uniform) else None
-    pieces = _split(batches, threshold, first, step, static_rows)
-    if infinite:
-        pieces = pieces.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
-    elif count >= 0:
-        pieces = pieces.apply(tf.data.experimental.assert_cardinality(count * local))
-
-    # distribute_datasets_from_function never auto-shards, so TensorFlow's AUTO->DATA warning
-    # cannot occur. Order is TensorFlow's default; a user's explicit choice stays. Autotuning is
-    # left unset (TensorFlow's default: on) so that ReplicatorStrategy can turn it off over CPU
-    # replicas, where its thread stalled every epoch (issue 21, _compat/multi_device_iterator.py).
-    current = pieces.options()
-    options = tf.data.Options()
-    if current.deterministic is None:
-        options.deterministic = True
-    return pieces.prefetch(_AUTOTUNE).with_options(options)
-
-
-def _rebatched_count(cardinality: int, batch: int | None, exact: bool | None, new_batch: int, drop: bool):
-    """Batches after re-batching ``cardinality`` batches of ``batch`` (the last maybe short), if certain."""
-    if cardinality < 0 or batch is None:
-        return None
-    most = cardinality * batch
-    least = most if exact or cardinality == 0 else most - batch + 1
-    rounding = (lambda n: n // new_batch) if drop else (lambda n: -(-n // new_batch))
-    return rounding(least) if rounding(least) == rounding(most) else None
 
 
 def _choose_policy(policy: str, dataset: tf.data.Dataset, from_fn: bool, pipelines: int) -> str:
@@ -433,7 +185,21 @@ def _check_context(input_context: tf.distribute.InputContext) -> int:
     return num_replicas // pipelines
 
 
-@dataclasses.dataclass
+def _shuffle_seed(seed: int | None, shuffles: bool, slice_level: bool, input_context) -> int | None:
+    """The seed of one pipeline's shuffle: the run's seed with data sharding, else its own."""
+    if not shuffles:
+        return None
+    if slice_level:
+        if seed is None:
+            raise ValueError(
+                "With data sharding every input pipeline reads all the data and keeps its "
+                "own slice of each global batch, so all must shuffle identically: give seed=."
+            )
+        return seed
+    return None if seed is None else pipeline_seed(seed, input_context)
+
+
+@dataclasses.dataclass(frozen=True)
 class InputFn:
     """The ``input_fn(input_context) -> tf.data.Dataset`` built by `make_input_fn`.
 
@@ -441,7 +207,9 @@ class InputFn:
     as ``tf.distribute.Strategy.distribute_datasets_from_function`` expects:
     its replicas take consecutive elements, so element ``s * L + i`` (for ``L``
     replicas of the pipeline) is local replica ``i``'s slice of step ``s``. Its
-    cardinality, when known, is the number of steps times ``L``.
+    cardinality, when known, is the number of steps times ``L``. Its fields are
+    the checked arguments of `make_input_fn` and never change; `plan` tells
+    what a call does (the sharding applied, the batching) without building it.
 
     Example:
         ```python
@@ -449,6 +217,7 @@ class InputFn:
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=0,
                                          num_replicas_in_sync=4)
         pipeline_0 = input_fn(ctx)       # what worker 0's two replicas read
+        input_fn.plan(ctx).sharding      # "data": both workers read it all, keep their slices
         ```
     """
 
@@ -460,36 +229,36 @@ class InputFn:
     shuffle_buffer_size: int | None = None
     seed: int | None = None
     batched: bool | None = None
-    #: Set by a call: the number of replicas the pipeline built last feeds.
-    local_replicas: int | None = dataclasses.field(default=None, init=False)
-    #: Set by a call: the sharding applied last ("file", "data" or "off").
-    applied_policy: str | None = dataclasses.field(default=None, init=False)
 
-    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        local = _check_context(input_context)
-        num_replicas = int(input_context.num_replicas_in_sync)
-        pipelines = int(input_context.num_input_pipelines)
-        global_batch = _resolve_global_batch(self.global_batch_size, self.per_replica_batch_size, num_replicas)
+    def global_batch(self, num_replicas: int) -> int:
+        """The global batch size over ``num_replicas`` replicas (an error if they cannot share it)."""
+        return _resolve_global_batch(self.global_batch_size, self.per_replica_batch_size, num_replicas)
+
+    def _dataset(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        if isinstance(self.source, tf.data.Dataset):
+            return self.source
+        dataset = self.source(input_context)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"The input_fn must return a tf.data.Dataset, it returned {type(dataset).__name__}."
+            )
+        return dataset
+
+    def _source_batch(self, dataset, from_fn: bool, global_batch: int, num_replicas: int):
+        """``(batched, source_batch, source_drops)``, checked against the batch sizes asked for.
+
+        An input_fn's batches are per replica (TensorFlow's convention).
+        """
         per_replica = global_batch // num_replicas
-
-        from_fn = not isinstance(self.source, tf.data.Dataset)
-        if from_fn:
-            dataset = self.source(input_context)
-            if not isinstance(dataset, tf.data.Dataset):
-                raise TypeError(
-                    f"The input_fn must return a tf.data.Dataset, it returned {type(dataset).__name__}."
-                )
-        else:
-            dataset = self.source
-
-        # Batched or not; an input_fn's batches are per replica (TensorFlow's convention).
         found = tf_data.find_batch(dataset)
         batched = self.batched if self.batched is not None else found is not None
-        source_batch, source_drops = found if (found and batched) else (None, None)
-        expected = per_replica if from_fn else global_batch
-        if batched and source_batch is None:
+        if not batched:
+            return False, None, None
+        source_batch, source_drops = found if found else (None, None)
+        if source_batch is None:
             source_batch = _static_batch(dataset.element_spec)
-        if batched and source_batch is not None and source_batch != expected:
+        expected = per_replica if from_fn else global_batch
+        if source_batch is not None and source_batch != expected:
             if from_fn:
                 raise ValueError(
                     f"The input_fn returned a dataset batched by {source_batch}, but its batches must be "
@@ -502,35 +271,50 @@ class InputFn:
                 f"{global_batch} ({per_replica} per replica on {num_replicas} replicas). Batch it by "
                 f"{global_batch}, or pass it unbatched and let distribute_dataset batch it."
             )
-        if batched:
-            _check_batch_dimension(dataset.element_spec)
-        if self.shuffle_buffer_size is not None and batched:
+        _check_batch_dimension(dataset.element_spec)
+        if self.shuffle_buffer_size is not None:
             raise ValueError(
                 "shuffle_buffer_size shuffles examples before batching, but this dataset is already "
                 "batched. Shuffle before your .batch(), or pass the dataset unbatched."
             )
+        return True, source_batch, source_drops
+
+    def plan(self, input_context: tf.distribute.InputContext) -> input_pipeline.Plan:
+        """What the pipeline of ``input_context`` does, decided and checked before any step.
+
+        Its ``sharding`` is the sharding applied (``"file"``, ``"data"`` or ``"off"``).
+        """
+        _check_context(input_context)
+        num_replicas = int(input_context.num_replicas_in_sync)
+        pipelines = int(input_context.num_input_pipelines)
+        global_batch = self.global_batch(num_replicas)
+        from_fn = not isinstance(self.source, tf.data.Dataset)
+        dataset = self._dataset(input_context)
+        batched, source_batch, source_drops = self._source_batch(dataset, from_fn, global_batch, num_replicas)
         policy = _choose_policy(self.shard_policy, dataset, from_fn, pipelines)
-        self.local_replicas = local
-        self.applied_policy = policy if pipelines > 1 else "off"
-        return _pipeline(
-            dataset,
-            input_context,
-            global_batch=global_batch,
-            source_batch=source_batch if batched else None,
-            source_drops=source_drops,
-            from_fn=from_fn,
-            batched=batched,
+        slice_level = policy == "data" and pipelines > 1
+        return input_pipeline.Plan(
+            source=dataset,
+            num_replicas=num_replicas,
+            pipelines=pipelines,
+            index=int(input_context.input_pipeline_id),
             policy=policy,
+            global_batch=global_batch,
+            source_batch=source_batch,
+            source_drops=source_drops,
+            batched=batched,
+            from_fn=from_fn,
             drop=bool(self.drop_remainder),
             shuffle_buffer_size=self.shuffle_buffer_size,
-            seed=self.seed,
+            shuffle_seed=_shuffle_seed(self.seed, self.shuffle_buffer_size is not None, slice_level, input_context),
         )
+
+    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return input_pipeline.build(self.plan(input_context))
 
 
 def _static_batch(element_spec) -> int | None:
-    """The batch size all components agree on statically (``batch(n, drop_remainder=True)``)."""
-    sizes = {s.shape[0] for s in tf.nest.flatten(element_spec) if s is not None and s.shape.rank}
-    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+    return input_pipeline.static_batch(element_spec)
 
 
 def _check_batch_dimension(element_spec) -> None:
@@ -542,33 +326,36 @@ def _check_batch_dimension(element_spec) -> None:
             )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _KerasInputFn:
     """The input_fn for a dataset Keras batched (``experimental_distribute_dataset``)."""
 
     dataset: tf.data.Dataset
-    local_replicas: int | None = None
 
-    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        self.local_replicas = _check_context(input_context)
+    def plan(self, input_context: tf.distribute.InputContext) -> input_pipeline.Plan:
+        _check_context(input_context)
+        pipelines = int(input_context.num_input_pipelines)
         found = tf_data.find_batch(self.dataset)
         source_batch, source_drops = found if found else (_static_batch(self.dataset.element_spec), None)
-        policy = _choose_policy(
-            _policy_from_options(self.dataset), self.dataset, False, int(input_context.num_input_pipelines)
-        )
-        return _pipeline(
-            self.dataset,
-            input_context,
+        policy = _choose_policy(_policy_from_options(self.dataset), self.dataset, False, pipelines)
+        if pipelines > 1 and policy in ("file", "off") and source_batch is None:
+            policy = "data"  # batches of unknown size cannot be re-batched per pipeline
+        return input_pipeline.Plan(
+            source=self.dataset,
+            num_replicas=int(input_context.num_replicas_in_sync),
+            pipelines=pipelines,
+            index=int(input_context.input_pipeline_id),
+            policy=policy,
             global_batch=source_batch,
             source_batch=source_batch,
             source_drops=source_drops,
-            from_fn=False,
             batched=True,
-            policy=policy,
+            from_fn=False,
             drop=False,
-            shuffle_buffer_size=None,
-            seed=None,
         )
+
+    def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return input_pipeline.build(self.plan(input_context))
 
 
 def make_input_fn(
@@ -587,8 +374,8 @@ def make_input_fn(
     ``strategy.distribute_datasets_from_function(make_input_fn(...))`` gives the
     same data as ``distribute_dataset``; calling the result with a
     ``tf.distribute.InputContext`` shows what one input pipeline (worker) reads.
-    Arguments as for `distribute_dataset`; those that need the number of
-    replicas are checked when the function is called.
+    Arguments as for `distribute_dataset`, checked here once; those that need
+    the number of replicas are checked when the function is called.
 
     Example:
         ```python
@@ -608,8 +395,7 @@ def make_input_fn(
         raise TypeError("This dataset is already distributed; pass the tf.data.Dataset it came from.")
     check_int("global_batch_size", global_batch_size, minimum=1, optional=True)
     check_int("per_replica_batch_size", per_replica_batch_size, minimum=1, optional=True)
-    if (global_batch_size is None) == (per_replica_batch_size is None):
-        _resolve_global_batch(global_batch_size, per_replica_batch_size, 1)  # raises the message
+    _check_one_batch_size(global_batch_size, per_replica_batch_size)
     check_choice(
         "shard_policy", shard_policy.lower() if isinstance(shard_policy, str) else shard_policy,
         SHARD_POLICIES,
@@ -630,17 +416,34 @@ def make_input_fn(
     )
 
 
-def _distribute(strategy: tf.distribute.Strategy, input_fn: InputFn, options) -> tf.distribute.DistributedDataset:
+def _check_options(options) -> None:
     if options is not None and not isinstance(options, tf.distribute.InputOptions):
         raise TypeError(f"options must be a tf.distribute.InputOptions, got {options!r}.")
     if options is not None and (
         options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
     ):
         raise ValueError("distribute_dataset needs InputReplicationMode.PER_WORKER (the default).")
-    distributed = strategy.distribute_datasets_from_function(input_fn, options)
+
+
+def _distribute(
+    strategy: tf.distribute.Strategy, input_fn: InputFn | _KerasInputFn, options
+) -> tf.distribute.DistributedDataset:
+    """``distribute_datasets_from_function``, with the number of steps as its cardinality.
+
+    Its cardinality counts per-replica elements; divided by the replicas of the
+    pipeline TensorFlow built here (the last one it asked for), it is the steps.
+    """
+    contexts = []
+
+    def pipeline(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        contexts.append(input_context)
+        return input_fn(input_context)
+
+    distributed = strategy.distribute_datasets_from_function(pipeline, options)
     cardinality = int(distributed.cardinality)
-    if cardinality > 0 and input_fn.local_replicas:
-        tf_data.set_distributed_cardinality(distributed, np.int64(cardinality // input_fn.local_replicas))
+    if cardinality > 0 and contexts:
+        local = _check_context(contexts[-1])
+        tf_data.set_distributed_cardinality(distributed, np.int64(cardinality // local))
     return distributed
 
 
@@ -666,14 +469,14 @@ def distribute_dataset(
     Example:
         ```python
         # An unbatched dataset: batched, sharded and split for you.
-        train = strategy.distribute_dataset(dataset.shuffle(10_000), global_batch_size=256)
+        train = strategy.distribute_dataset(dataset.shuffle(450), global_batch_size=64)
+        model.fit(train, epochs=1, verbose=0)
 
-        # A TF-Replicator input_fn: called once per input pipeline (worker).
+        # A TF-Replicator input_fn: called once per input pipeline (worker), with its context.
         def input_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-            return tfds.load("mnist", split="train", as_supervised=True,
-                             read_config=tfds.ReadConfig(input_context=ctx))
-        train = strategy.distribute_dataset(input_fn, per_replica_batch_size=64)
-        model.fit(train, epochs=10)
+            return dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        train = strategy.distribute_dataset(input_fn, per_replica_batch_size=16)
+        model.fit(train, epochs=1, verbose=0)
         ```
 
     Args:
@@ -734,7 +537,8 @@ def distribute_dataset(
         seed=seed,
         batched=batched,
     )
-    _resolve_global_batch(global_batch_size, per_replica_batch_size, strategy.num_replicas_in_sync)
+    input_fn.global_batch(strategy.num_replicas_in_sync)  # divisible: an error before any work
+    _check_options(options)
     return _distribute(strategy, input_fn, options)
 
 
@@ -756,7 +560,7 @@ def distribute_batched_dataset(
         dist = kr.data.distribute_batched_dataset(strategy, dataset.batch(64))
         ```
     """
-    if not isinstance(dataset, tf.data.Dataset) or not _leaves_supported(dataset.element_spec):
+    if not isinstance(dataset, tf.data.Dataset) or not input_pipeline.leaves_supported(dataset.element_spec):
         return None
     if options is not None and (
         options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
@@ -764,4 +568,5 @@ def distribute_batched_dataset(
         return None
     if _policy_from_options(dataset) is None:
         return None
+    _check_options(options)
     return _distribute(strategy, _KerasInputFn(dataset), options)

@@ -48,7 +48,7 @@ def save_model(model: keras.Model, filepath: str, **kwargs: Any) -> bool:
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
             model.compile("sgd", "mse")
         model.fit(np.ones((64, 4)), np.ones((64, 1)), epochs=1, verbose=0)
-        kr.save_model(model, "/tmp/final.keras")   # every worker calls it; the chief writes it
+        kr.save_model(model, "final.keras")   # every worker calls it; the chief writes it
         ```
 
     Args:

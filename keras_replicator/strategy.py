@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_replicator import _compat, cluster, data
-from keras_replicator._compat import engines, keras_trainer
+from keras_replicator import _announce, _compat, cluster, data
+from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
 from keras_replicator._validation import check_choice, check_number
 from keras_replicator.cross_device_ops import default_cross_device_ops
 
@@ -152,7 +152,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         train.py``; create the strategy first thing in the script:
 
         ```python
-        strategy = kr.ReplicatorStrategy(failure_timeout=60)
+        strategy = kr.ReplicatorStrategy(failure_timeout=30)
         print(strategy.num_workers, strategy.worker_index, strategy.is_chief)
         ```
 
@@ -169,17 +169,29 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             across workers choose ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
-            at Slurm's environment (see `keras_replicator.cluster.resolve_cluster`);
+            at a Kubernetes JobSet pod's, then at Slurm's environment (see
+            `keras_replicator.cluster.resolve_cluster`);
             with no cluster (or a cluster of one task) the strategy is local.
             In a multi-worker job ``devices`` lists each worker's local devices.
         communication: ``"auto"``, ``"ring"`` or ``"nccl"``: the implementation
             of collective all-reduces (``"auto"``: NCCL on GPUs, ring otherwise).
         failure_timeout: seconds without a heartbeat after which a worker counts
-            as lost; the others then stop with
-            `WorkerLostError`. Multi-worker only.
+            as lost; the others then stop with `WorkerLostError` naming it
+            (a dead or a silent worker, e.g. a stopped process or a hung
+            device). The default, 30, ends a job with a silent worker in
+            about 30 to 40 s. Multi-worker only.
         startup_timeout: seconds to wait at creation for every worker of the
             cluster to be up before failing with
             `ClusterStartupError`. Multi-worker only.
+        on_sigterm: what SIGTERM (a preemption, an eviction) does during
+            ``fit``. ``"save"``: with ``keras.callbacks.BackupAndRestore`` in
+            ``fit``'s callbacks, every worker stops after the same step, the
+            backup is written there (epoch and step within it) and the
+            process exits with status 143 ("restart me"); the restarted job
+            resumes at that step. Several workers exit with 143 after that
+            step even without the callback. ``"fatal"``: SIGTERM ends the
+            process at once, as in a plain Python program. ``None``: the
+            environment variable ``KERAS_REPLICATOR_ON_SIGTERM``, else ``"save"``.
     """
 
     def __init__(
@@ -189,8 +201,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
         cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
         communication: str = "auto",
-        failure_timeout: float = 60.0,
+        failure_timeout: float = 30.0,
         startup_timeout: float = 300.0,
+        on_sigterm: str | None = None,
     ):
         if cross_device_ops is not None and not isinstance(
             cross_device_ops, tf.distribute.CrossDeviceOps
@@ -205,7 +218,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         )
         failure_timeout = check_number("failure_timeout", failure_timeout, positive=True)
         startup_timeout = check_number("startup_timeout", startup_timeout, positive=True)
+        if on_sigterm is None:
+            on_sigterm = preemption.default_mode()
+        self.on_sigterm = check_choice("on_sigterm", on_sigterm, list(preemption.MODES))
         implementation = _COMMUNICATION[communication]
+        tf_logging.install()  # before TensorFlow's engine logs "Using MirroredStrategy ..."
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)
         spec = resolver.cluster_spec() if resolver is not None else tf.train.ClusterSpec({})
@@ -234,8 +251,15 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 communication=None if communication == "auto" else implementation,
             )
         super().__init__(extended)
+        if self.on_sigterm == "fatal" and self.num_workers > 1:
+            preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
         keras_trainer.register_strategy(self)
+        _announce.announce(
+            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices,
+            _announce.all_reduce_name(extended.cross_device_ops, communication),
+            self.num_workers, self.worker_index,
+        )
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
@@ -274,8 +298,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Also applies keras_replicator's scoped patches while it is entered (see
         `keras_replicator._compat`): plain Keras `BatchNormalization` keeps its
-        moving statistics identical across replicas, and all-reduces get a
-        gradient that is cheap to trace.
+        moving statistics identical across replicas, all-reduces get a
+        gradient that is cheap to trace, and Keras random ops (dropout,
+        augmentation layers) draw independently on every replica.
 
         Example:
             ```python
@@ -318,12 +343,19 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
-            train = strategy.distribute_dataset(dataset, per_replica_batch_size=32)
-            model.fit(train, epochs=3)
+            import tensorflow as tf
+
+            x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+            dataset = tf.data.Dataset.from_tensor_slices((x, y))     # unbatched examples
+            train = strategy.distribute_dataset(dataset, per_replica_batch_size=8)
+            with strategy.scope():                   # the model of the strategy that distributes the data
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                model.compile("sgd", "mse")
+            model.fit(train, epochs=2, verbose=0)
 
             def input_fn(ctx):                       # called once per worker
-                return make_dataset().shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            train = strategy.distribute_dataset(input_fn, global_batch_size=256)
+                return dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            train = strategy.distribute_dataset(input_fn, global_batch_size=16)
             ```
         """
         return data.distribute_dataset(
@@ -351,9 +383,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
         Example:
             ```python
+            import tensorflow as tf
+
+            dataset = tf.data.Dataset.from_tensor_slices(np.ones((128, 4), "float32"))
+
+            @tf.function
+            def step(batch):                         # on each replica, its half of the batch
+                return tf.reduce_sum(batch)
+
             dist = strategy.experimental_distribute_dataset(dataset.batch(64))
             for batch in dist:
-                strategy.run(step, args=(batch,))
+                sums = strategy.run(step, args=(batch,))
+                total = strategy.reduce("SUM", sums, axis=None)   # 256.0: 64 rows of 4 ones
             ```
         """
         distributed = data.distribute_batched_dataset(self, dataset, options)

@@ -2,9 +2,24 @@
 
 Example:
     ```python
+    import keras, numpy as np
     import keras_replicator as kr
-    ...
-    model.fit(data, epochs=1)
+
+    x = np.random.rand(64, 4).astype("float32")
+    y = np.random.rand(64, 1).astype("float32")
+
+    def make_model():
+        keras.utils.set_random_seed(0)                 # the same initial weights
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        return model
+
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():
+        model = make_model()
+    reference = make_model()                          # one device
+    for m in (model, reference):
+        m.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     kr.testing.assert_replicas_identical(model)     # every mirrored copy equal
     assert kr.testing.max_weight_difference(model, reference) <= 1e-5
     ```
@@ -80,7 +95,7 @@ def max_weight_difference(a: keras.Model | Iterable, b: keras.Model | Iterable) 
 
     Example:
         ```python
-        assert kr.testing.max_weight_difference(replicated, single_device) <= 1e-5
+        kr.testing.max_weight_difference(model, reference)   # the largest |a - b| of any weight
         ```
     """
     va, vb = _variables(a), _variables(b)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,12 +49,60 @@ class CountingModel(keras.Sequential):
     def count_steps(self, num_workers: int) -> None:
         self.steps_by_worker = keras.Variable(np.zeros(num_workers, "float32"), trainable=False)
 
+    def load_own_variables(self, store):
+        """Loading a saved model: the counter is created first, with the saved shape."""
+        if len(store.keys()) and not hasattr(self, "steps_by_worker"):
+            self.count_steps(store["0"].shape[0])
+        super().load_own_variables(store)
+
     def train_step(self, data):
         logs = super().train_step(data)
         if hasattr(self, "steps_by_worker"):
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             self.steps_by_worker.assign_add(tf.one_hot(worker, self.steps_by_worker.shape[0]))
         return logs
+
+
+class DropoutRecorder(keras.Model):
+    """Keeps every keep-mask of `Dropout(0.5)` each worker drew, in that worker's own variables."""
+
+    def __init__(self, num_workers: int, max_steps: int, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+        self.dropout = keras.layers.Dropout(0.5, seed=7)
+        self.masks = [keras.Variable(np.zeros((max_steps, 128), "float32"), trainable=False)
+                      for _ in range(num_workers)]
+        self.counts = [keras.Variable(0, dtype="int32", trainable=False) for _ in range(num_workers)]
+
+    def call(self, x):
+        return self.dense(tf.cast(x, "float32"))
+
+    def train_step(self, data):
+        mask = self.dropout(tf.ones([128]), training=True)
+
+        def record(w):  # only worker w writes its variables; atomic adds, no lost update
+            def write():
+                i = self.counts[w].assign_add(1) - 1
+                row = tf.one_hot(i, self.masks[w].shape[0])[:, None] * mask[None, :]
+                self.masks[w].assign_add(row)
+                return tf.constant(0)
+
+            return write
+
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        tf.switch_case(tf.cast(worker, tf.int32), [record(w) for w in range(len(self.masks))])
+        return {"kept": tf.reduce_mean(mask)}
+
+
+def dropout_masks_by_worker(strategy) -> list[list]:
+    """Each worker's dropout outputs on ones (0 or 2) over 20 steps of fit (2 per execution)."""
+    with strategy.scope():
+        model = DropoutRecorder(strategy.num_workers, 20)
+        model.build((None, 2))
+        model.compile(steps_per_execution=2)
+    model.fit(strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16), epochs=1,
+              steps_per_epoch=20, verbose=0)
+    return [m.numpy()[: int(c.numpy())].tolist() for m, c in zip(model.masks, model.counts)]
 
 
 def build_model() -> keras.Model:
@@ -93,7 +143,9 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         print(f"epoch {epoch} done loss={logs['loss']:.5f}", flush=True)
         if epoch == self.hold_at_epoch:
-            # The test kills and restarts a task meanwhile, then creates the release file.
+            # The test (or a worker's `die_at_hold`) kills and restarts a task meanwhile, then
+            # creates the release file.
+            open(self.release + ".holding", "w").close()
             deadline = time.time() + 180
             while not os.path.exists(self.release) and time.time() < deadline:
                 time.sleep(0.1)
@@ -137,6 +189,7 @@ def fit_mode(strategy, out: str) -> dict:
         except Exception as e:  # noqa: BLE001 (reported to the test)
             errors[name] = f"{type(e).__name__}: {e}"
     report["errors"] = errors
+    report["dropout_masks"] = dropout_masks_by_worker(strategy)
     # Whole tensors out of the sharded embedding, and back into a model outside the cluster.
     path = os.path.join(out, "model.keras")
     model.save(path)
@@ -235,11 +288,33 @@ def faults_mode(strategy, out: str) -> dict:
         iterations=int(model.optimizer.iterations.numpy()),
         evaluation=model.evaluate(x, y, batch_size=128, verbose=0),
     )
+    model.save(os.path.join(out, "model.keras"))
     return report
+
+
+def die_at_hold(out: str) -> None:
+    """On the task named by ``KR_TEST_DIE_TASK`` (``"worker 1"``, ``"ps 0"``, ``"chief 0"``; first
+    start only): SIGKILLs itself when the chief holds, after creating the release file (the
+    chief goes on while it dies)."""
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    first_start = os.environ.get("KERAS_REPLICATOR_RESTART_COUNT", "0") == "0"
+    if os.environ.get("KR_TEST_DIE_TASK") != f"{task.get('type')} {task.get('index')}" or not first_start:
+        return
+
+    def wait_and_die() -> None:
+        release = os.path.join(out, "release")
+        while not os.path.exists(release + ".holding"):
+            time.sleep(0.05)
+        print("dying now", flush=True)
+        open(release, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_and_die, daemon=True).start()
 
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    die_at_hold(out)
     partitioner = None
     if mode == "partition":  # the 3200-byte embedding in 2 shards; the 2048-byte kernel whole
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=2100, max_shards=2)

@@ -77,3 +77,35 @@ def run_markdown_example(markdown_path: str, index: int = 0, timeout: int = 300)
     result = run_python(code, timeout=timeout)
     assert result.returncode == 0, f"{markdown_path} block {index} failed:\n{result.stderr[-3000:]}"
     return result
+
+
+# Per-replica randomness (tests/test_replica_randomness.py, tests/multi_worker_job.py).
+MASK_SHAPE = (8, 256)
+
+
+def dropout_masks(strategy=None, steps: int = 2, seed: int = 7) -> list[list[np.ndarray]]:
+    """Per step, per local replica: the keep-mask of ``Dropout(0.5, seed=seed)`` on ones,
+    drawn in a traced step (``strategy.run``, or plainly on one device without a strategy)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        layer = keras.layers.Dropout(0.5, seed=seed)
+    ones = tf.ones(MASK_SHAPE)
+
+    def draw():
+        return layer(ones, training=True)
+
+    if strategy is None:
+        step = tf.function(draw)
+        return [[np.asarray(step()) > 0] for _ in range(steps)]
+    step = tf.function(lambda: strategy.run(draw))
+    return [[np.asarray(v) > 0 for v in strategy.experimental_local_results(step())] for _ in range(steps)]
+
+
+def assert_chance_agreement(a: np.ndarray, b: np.ndarray, what: str = "") -> None:
+    """Independent keep-masks of rate 0.5 agree on a Binomial(size, 1/2) / size fraction of
+    their elements: within 6 standard deviations of 1/2 (identical masks agree on all)."""
+    agree = float(np.mean(a == b))
+    assert abs(agree - 0.5) < 3.0 / np.sqrt(a.size), f"{what} masks agree on {agree:.3f} of their elements"

@@ -9,6 +9,7 @@ Each worker writes what it saw to ``OUT_DIR/worker{i}.json`` / ``.npz``; the tes
 compares the workers with each other and with a one-device reference computed
 in the pytest process. ``check``: fit/evaluate/predict of a model with global
 batch norm, the primitives, ModelCheckpoint and BackupAndRestore file writes,
+dropout masks,
 and (``--exactly-once``) the data helper's exactly-once check. ``resume``: a
 job with BackupAndRestore that a test kills (the worker given
 ``--wait-after-epoch`` waits after that epoch to be killed) and then restarts.
@@ -31,7 +32,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_replicator as kr  # noqa: E402
-from tests.helpers import regression_data  # noqa: E402
+from tests.helpers import dropout_masks, regression_data  # noqa: E402
 
 strategy: kr.ReplicatorStrategy  # created first thing in main (the test module imports this file)
 
@@ -133,7 +134,9 @@ def check(out_dir: str, exactly_once: bool) -> None:
             report["exactly_once"][via] = [c.tolist() for c in check_exactly_once(strategy, via=via)]
             print(f"exactly once via {via}: {time.time() - t0:.1f} s", flush=True)
     report["unshared_backup"] = _restore_from_unshared_backup(model, out_dir, x, y)
-    _write(out_dir, report, model, predictions=predictions)
+    # Dropout masks of 2 traced steps, per local replica: independent across workers too.
+    masks = {f"mask{s}_{r}": m for s, step in enumerate(dropout_masks(strategy)) for r, m in enumerate(step)}
+    _write(out_dir, report, model, predictions=predictions, **masks)
 
 
 def _restore_from_unshared_backup(model: keras.Model, out_dir: str, x, y) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -86,6 +87,44 @@ def images(nb) -> list:
             if "image/png" in out.get("data", {})]
 
 
+# TensorFlow's C++ runtime logs (absl/glog format: "E0000 00:00:17954.. 2108 util.cc:131] ...")
+# and absl's preamble go to the kernel's stderr. The tutorials set TF_CPP_MIN_LOG_LEVEL=2
+# before TensorFlow starts, which silences the INFO and WARNING ones; what is left is
+# ERROR-level notes about the host build ("oneDNN supports DT_INT32 only on platforms with
+# AVX-512. Falling back ...") that say nothing about the tutorial, and level 3 would also
+# hide real errors. So publishing drops those lines from the published copy (and prints
+# them here); a real failure still shows as the cell's Python error.
+RUNTIME_LOG_LINE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.-]+:\d+\] .*)$"
+)
+
+
+def runtime_log_lines(text: str) -> list[str]:
+    """The lines of `text` that are TensorFlow's C++ runtime log, not the tutorial's output."""
+    return [line for line in text.splitlines() if RUNTIME_LOG_LINE.match(line)]
+
+
+def drop_runtime_log(nb) -> list[str]:
+    """Removes TensorFlow's C++ runtime log lines from `nb`'s stderr outputs; returns them."""
+    dropped = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept_outputs = []
+        for out in cell.outputs:
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                lines = out["text"].splitlines(keepends=True)
+                kept = [x for x in lines if not RUNTIME_LOG_LINE.match(x.rstrip("\n"))]
+                dropped += [x.rstrip("\n") for x in lines if x not in kept]
+                if not kept:
+                    continue
+                out["text"] = "".join(kept)
+            kept_outputs.append(out)
+        cell.outputs = kept_outputs
+    return dropped
+
+
 def publish(names: list[str]) -> None:
     import nbformat
 
@@ -102,6 +141,8 @@ def publish(names: list[str]) -> None:
     for path in paths:
         print(f"executing {os.path.relpath(path, ROOT)} (SMOKE=1) ...", flush=True)
         nb = execute(path)
+        for line in drop_runtime_log(nb):
+            print(f"  not published (TensorFlow runtime log): {line}", flush=True)
         nb.metadata["keras_replicator"] = {"published_from": os.path.relpath(path, ROOT), "smoke": True}
         out = os.path.join(PUBLISHED, os.path.basename(path))
         nbformat.write(nb, out)

@@ -26,7 +26,7 @@ import keras_replicator as kr
 from keras_replicator import cluster
 from keras_replicator.launch import free_ports
 from tests import async_job as job
-from tests.helpers import ROOT, python_blocks
+from tests.helpers import ROOT, assert_chance_agreement, python_blocks
 
 JOB = os.path.join(ROOT, "tests", "async_job.py")
 
@@ -195,6 +195,11 @@ def test_fit_evaluate_predict_and_save(start_job):
     j = start_job("fit", workers=2, ps=2)
     assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
     report = j.report()
+    # The chief names the strategy in one line; TensorFlow's engine INFO lines stay hidden.
+    chief = j.output("chief", 0)
+    assert ("keras_replicator: AsyncReplicatorStrategy: 2 worker(s) stepping asynchronously, "
+            "variables on 2 parameter server(s)") in chief
+    assert "INFO:tensorflow:" not in chief
     # Workers and parameter servers end by themselves, with status 0, once the chief is done.
     for task in (("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)):
         assert j.wait(*task, timeout=60) == 0, j.output(*task)[-3000:]
@@ -235,6 +240,21 @@ def test_fit_evaluate_predict_and_save(start_job):
     assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ValueError")
     assert "no per_replica_batch_size was given" in errors["unbatched"]
     assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
+    # Dropout: every step's keep-mask is its own, across workers and steps (masks of 128
+    # entries agree only at chance level; none repeats, which a shared draw would).
+    masks = [np.array(m) for m in report["dropout_masks"]]
+    assert sum(len(m) for m in masks) == 20 and all(len(m) >= 1 for m in masks), [len(m) for m in masks]
+    every = np.concatenate(masks)
+    assert set(np.unique(every)) <= {0.0, 2.0}, np.unique(every)  # one mask per row
+    worker = np.repeat(np.arange(len(masks)), [len(m) for m in masks])
+    for i in range(len(every)):
+        for j in range(i + 1, len(every)):
+            assert_chance_agreement(every[i] > 0, every[j] > 0, f"steps {i}, {j} of workers {worker[[i, j]]}")
+    # Worker 0 draws Keras's own stream (seed state [7, counter]); worker 1 another one.
+    dropout = keras.layers.Dropout(0.5, seed=7)
+    keras_stream = {dropout(np.ones(128, "float32"), training=True).numpy().tobytes() for _ in range(40)}
+    assert all(m.astype("float32").tobytes() in keras_stream for m in masks[0])
+    assert not any(m.astype("float32").tobytes() in keras_stream for m in masks[1])
 
 
 def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
@@ -264,6 +284,52 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
     assert counts[1][0] > 0 and counts[1][1] > 0, counts
     assert counts[-1][1] - counts[2][1] > 0, counts
     assert j.wait("worker", 1, timeout=60) == 0
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_dead_worker_does_not_end_a_launched_job(tmp_path, max_restarts):
+    """`keras-replicator launch --workers 2 --ps 1`: worker 1 SIGKILLs itself after epoch 0.
+
+    The chief holds at the end of epoch 0 until worker 1 is dying (async_job.die_at_hold),
+    so the kill lands at the same point of every run. Without restarts the job goes on
+    with worker 0 alone; with ``--max-restarts 1`` worker 1 is started again. Either way
+    every requested step runs and the chief saves.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    epochs, steps_per_epoch = 3, 40  # steps_per_epoch: async_job.faults_mode's
+    env = _env(KR_TEST_DIE_TASK="worker 1", KR_TEST_EPOCHS=str(epochs), KR_TEST_HOLD_AT_EPOCH="0",
+               KR_TEST_SLEEP_PER_BATCH="0.02")
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--ps", "1",
+               "--max-restarts", str(max_restarts), "--timeout", "300", JOB, "faults", str(out)]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "[worker 1] dying now" in output
+    if max_restarts:
+        # Started again at once; whether it rejoins before the end depends on its start-up time
+        # (test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs waits for it to).
+        assert "[launcher] worker 1 exited with code 137; restarting it (restart 1 of 1)" in output
+    else:
+        assert "[launcher] worker 1 exited with code 137; the job goes on without it" in output
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in output
+    report = json.loads((out / "chief.json").read_text())
+    # Every requested step ran (a step cut short by the kill may have run twice).
+    assert epochs * steps_per_epoch <= report["iterations"] <= epochs * steps_per_epoch + 2, report
+    assert report["epochs_run"] == list(range(epochs))
+    counts = np.array(report["steps_by_worker"])  # per worker, at each epoch's end
+    assert counts[0][1] > 0 and counts[-1].sum() >= epochs * steps_per_epoch, counts
+    if not max_restarts:  # worker 1 ran nothing after its death: worker 0 ran its share
+        assert counts[-1][1] == counts[0][1], counts
+    loss = report["history"]["loss"]
+    assert loss[-1] < 0.3 * loss[0], loss
+    # The chief saved the model after the last step: its optimizer counted every one.
+    saved = keras.models.load_model(out / "model.keras")
+    assert int(saved.optimizer.iterations.numpy()) == report["iterations"]
+    print(f"max_restarts={max_restarts}: {report['iterations']} steps of {epochs * steps_per_epoch} requested, "
+          f"by worker {counts[-1].tolist()}, job {elapsed:.1f} s (fit {report['seconds']:.1f} s)")
 
 
 def test_a_killed_parameter_server_stops_the_job_clearly_and_a_restart_resumes(start_job, tmp_path):

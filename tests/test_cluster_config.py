@@ -50,7 +50,7 @@ def test_no_cluster_means_one_machine(text):
         (config(task={"type": "chief", "index": 0}), "this task's type 'chief' is not a job of the cluster ['worker']"),
         (config(task={"type": "worker", "index": 2}), "this task's index must be an integer in [0, 2) for job 'worker', got 2"),
         (config(task={"type": "worker", "index": "1"}), "got '1'"),
-        (config({"worker": ["127.0.0.1"]}), "cluster[\"worker\"][0]: '127.0.0.1' is not an address of the form host:port"),
+        (config({"worker": ["127.0.0.1"]}), "cluster[\"worker\"][0] must be host:port, got '127.0.0.1'"),
         (config({"worker": ["127.0.0.1:70000"]}), "port 70000 of '127.0.0.1:70000' is not in 1..65535"),
         (config({"worker": ["a:1", "a:1"]}), "several tasks share the address(es) ['a:1']"),
         (config({"worker": "a:1,b:1"}), 'cluster["worker"] must be a non-empty list'),

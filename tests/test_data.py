@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator import data
+from keras_replicator import data, input_pipeline
 from keras_replicator._compat import tf_data
 from tests.helpers import conv_model, dense_model, image_data, regression_data
 
@@ -148,7 +148,7 @@ def test_prefetches_to_every_replica_device(strategy):
     pipeline = data.make_input_fn(tf.data.Dataset.range(64), global_batch_size=16)(
         tf.distribute.InputContext(1, 0, 4))
     # Autotuning is TensorFlow's default (unset: on), which ReplicatorStrategy turns off for CPU
-    # replicas' iterators (issue 21, tests/test_iterator_stall.py).
+    # replicas' iterators (the autotuning-thread stall, tests/test_iterator_stall.py).
     assert pipeline.options().autotune.enabled is None and pipeline.options().deterministic is True
 
 
@@ -194,7 +194,7 @@ def test_two_pipelines_together_see_every_example_once(record_files, name):
     make, policy = _sources(record_files)[name]
     input_fn = data.make_input_fn(make(), global_batch_size=64)
     pipelines = pipeline_elements(input_fn, 2)
-    assert input_fn.applied_policy == policy
+    assert input_fn.plan(tf.distribute.InputContext(2, 0, 4)).sharding == policy
     assert_exactly_once(np.concatenate([e for _, elements in pipelines for e in elements]), 450)
     for ds, elements in pipelines:
         assert len(elements) % 2 == 0 and all(len(e) > 0 for e in elements)  # 2 replicas, none empty
@@ -273,7 +273,7 @@ def test_tfds_input_context_sharding(tmp_path):
     for k in range(2):
         whole = data.make_input_fn(builder.as_dataset(split="train").map(lambda e: e["id"]), global_batch_size=64)
         ids += [i for e in whole(tf.distribute.InputContext(2, k, 4)) for i in np.asarray(e)]
-        assert whole.applied_policy == "file"
+        assert whole.plan(tf.distribute.InputContext(2, k, 4)).sharding == "file"
     assert_exactly_once(ids, 450)
 
 
@@ -329,8 +329,8 @@ def test_fit_on_a_distributed_dataset_matches_one_device(strategy):
 
 def test_keras_fit_of_numpy_datasets_and_infinite_datasets(strategy, monkeypatch):
     built = []
-    original = data._pipeline
-    monkeypatch.setattr(data, "_pipeline", lambda *a, **k: built.append(k["policy"]) or original(*a, **k))
+    original = input_pipeline.build
+    monkeypatch.setattr(input_pipeline, "build", lambda plan: built.append(plan.policy) or original(plan))
     x, y = regression_data(100)
     with strategy.scope():
         model = dense_model()

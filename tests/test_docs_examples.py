@@ -58,9 +58,11 @@ RUN_ELSEWHERE = {
     ("docs/callbacks.md", 2): "tests/test_callbacks.py",
     ("docs/input.md", 0): "tests/test_data_docs.py",
     ("docs/input.md", 1): "tests/test_data_docs.py",
+    ("docs/kubernetes.md", 0): "tests/test_kubernetes.py",
     ("docs/multi_worker.md", 0): "tests/test_multi_worker.py",
     ("docs/optimizers.md", 0): "tests/test_optimizers.py",
     ("docs/optimizers.md", 1): "tests/test_optimizers.py",
+    ("docs/ray.md", 0): "tests/test_ray_train.py",
 }
 RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),

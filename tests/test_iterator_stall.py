@@ -1,4 +1,4 @@
-"""No stall when a distributed iterator is replaced (issue 21).
+"""No stall when a distributed iterator is replaced (the tf.data autotuning thread joined at every epoch).
 
 Keras makes a new iterator over the distributed dataset every epoch (every `fit`
 call) and drops the previous one. Under TensorFlow's defaults, dropping it joins

@@ -1,7 +1,11 @@
-"""The ``keras-replicator launch`` and ``k8s`` commands, with small scripts that need no TensorFlow."""
+"""The ``keras-replicator launch`` command (and ``k8s``'s start), with small scripts that need no TensorFlow.
+
+The manifests of ``keras-replicator k8s`` are tested in test_kubernetes.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -19,16 +23,21 @@ import yaml
 from keras_replicator import cluster
 from keras_replicator.__main__ import main
 from keras_replicator.launch import (
+    LaunchConfig,
+    RestartPolicy,
     _detect_gpus,
     cluster_addresses,
+    format_address,
     free_ports,
     gpu_assignment,
     k8s_manifest,
     launch,
     parse_hosts,
     rendezvous,
+    split_address,
     tf_config,
 )
+from keras_replicator.launch.supervisor import Action
 from tests.helpers import ROOT
 
 
@@ -167,8 +176,8 @@ def test_a_module_runs_as_with_python_dash_m(tmp_path):
         with pytest.raises(error, match=re.escape(message)):
             launch(name, module=True, workers=2, env=env, output=io.StringIO())
     manifest = yaml.safe_load(k8s_manifest("trainers.job", ["-x"], module=True, workers=1, image="i"))
-    container = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "trainers.job", "-x"]
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["template"]["spec"]["containers"][0]["command"] == ["python", "-m", "trainers.job", "-x"]
 
 
 def test_free_ports_and_tf_config():
@@ -178,7 +187,7 @@ def test_free_ports_and_tf_config():
         "cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}
     with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 2), got 2")):
         tf_config(["a:1", "b:2"], 2)
-    with pytest.raises(ValueError, match="Worker address 'a' is not of the form host:port"):
+    with pytest.raises(ValueError, match="A worker's address must be host:port, got 'a'"):
         tf_config(["a"], 0)
     with pytest.raises(ValueError, match="n must be a positive integer"):
         free_ports(0)
@@ -521,8 +530,10 @@ PS_TASK = """
         sys.exit(4)  # dies once
     if job == "chief":
         deadline = time.monotonic() + 60
-        while not glob.glob(os.path.join(here, "worker1-1-*")) and time.monotonic() < deadline:
+        while not glob.glob(os.path.join(here, os.environ.get("CHIEF_WAITS_FOR", "worker1-1-*"))) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
+        time.sleep(float(os.environ.get("CHIEF_THEN_SLEEPS", "0")))
         print("chief done")
         sys.exit(0)
     time.sleep(120)  # workers and ps tasks serve until they are stopped
@@ -552,18 +563,32 @@ def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["chief_0.log", "ps_0.log", "worker_0.log", "worker_1.log"]
     for pid in (int(name.rsplit("-", 1)[1]) for name in os.listdir(here)):
         assert not _alive(pid)
-    # Without restarts left, the worker's failure ends the job.
+    # Without restarts left, the job goes on without the worker: the chief finishes it.
     (here2 := tmp_path / "again").mkdir()
     out = io.StringIO()
-    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1,
-                  grace=1, output=out) == 4
-    assert "[launcher] worker 1 exited with code 4; stopping the others" in out.getvalue()
+    assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1, grace=1,
+                  output=out, env={"CHIEF_WAITS_FOR": "worker1-0-*", "CHIEF_THEN_SLEEPS": "2"}) == 0
+    text = out.getvalue()
+    assert ("[launcher] worker 1 exited with code 4; the job goes on without it (the chief runs its "
+            "steps on the other workers)") in text
+    assert text.index("the job goes on without it") < text.index("[chief 0] chief done")
+    assert "[launcher] the chief finished; stopping the workers and ps tasks" in text
+    # Unless it was the last worker: nothing would run the chief's steps.
+    every_worker_fails = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == " \
+                         "'worker':\n    time.sleep(0.5 * int(os.environ['KERAS_REPLICATOR_WORKER_INDEX']))\n" \
+                         "    sys.exit(5)\ntime.sleep(120)\n"
+    out = io.StringIO()
+    assert launch(script(tmp_path, every_worker_fails, "ps4.py"), workers=2, ps=1, grace=1, output=out) == 5
+    assert "[launcher] worker 0 exited with code 5; the job goes on without it" in out.getvalue()
+    assert ("[launcher] worker 1 exited with code 5; stopping the others (no worker is left)"
+            in out.getvalue())
     # A failed ps task ends the job: no restart, whatever max_restarts says.
     failing_ps = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == 'ps':\n" \
                  "    sys.exit(6)\ntime.sleep(120)\n"
     out = io.StringIO()
     assert launch(script(tmp_path, failing_ps, "ps3.py"), workers=1, ps=1, max_restarts=2, grace=1, output=out) == 6
-    assert "[launcher] ps 0 exited with code 6; stopping the others" in out.getvalue()
+    assert ("[launcher] ps 0 exited with code 6; stopping the others (a parameter-server job cannot go "
+            "on without a parameter server: its variables are lost)") in out.getvalue()
     assert "restart" not in out.getvalue()
     with pytest.raises(ValueError, match="ps= runs a parameter-server job on one machine"):
         launch(script(tmp_path, "print(1)\n"), hosts="a:1", ps=1)
@@ -576,19 +601,8 @@ def test_tf_config_of_a_parameter_server_cluster():
         tf_config(cluster, 0, "evaluator")
     with pytest.raises(ValueError, match=re.escape("index must be an integer in [0, 1), got 1")):
         tf_config(cluster, 1, "ps")
-    with pytest.raises(ValueError, match="The ps task's address 'h' is not of the form host:port"):
+    with pytest.raises(ValueError, match="The ps task's address must be host:port, got 'h'"):
         tf_config({"worker": ["h:1"], "ps": ["h"]}, 0)
-
-
-def test_k8s_manifest_of_a_parameter_server_job(capsys):
-    assert main(["k8s", "--workers", "4", "--ps", "2", "--image", "img:1", "--gpus-per-worker", "1", "t.py"]) == 0
-    specs = yaml.safe_load(capsys.readouterr().out)["spec"]["tfReplicaSpecs"]
-    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"Chief": 1, "Worker": 4, "PS": 2}
-    for kind, spec in specs.items():
-        assert spec["restartPolicy"] == "OnFailure"
-        (container,) = spec["template"]["spec"]["containers"]
-        assert container["command"] == ["python", "t.py"]
-        assert ("resources" in container) == (kind != "PS")
 
 
 # --- Startup: the command line imports no TensorFlow ------------------------------------------
@@ -627,50 +641,57 @@ def test_the_command_line_imports_no_tensorflow(tmp_path, command):
         assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
 
 
-# --- Kubernetes ------------------------------------------------------------------------------
+# --- The config object and the restart policy -----------------------------------------------
 
 
-def test_k8s_manifest_is_a_tfjob():
-    args = ["--epochs", "3", "--note", 'a: b "c" #d']
-    manifest = yaml.safe_load(k8s_manifest("/app/train.py", args, workers=4, image="reg.io/team/train:1.2",
-                                           name="resnet-50", namespace="research", gpus_per_worker=8))
-    assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "TFJob"
-    assert manifest["metadata"] == {"name": "resnet-50", "namespace": "research"}
-    worker = manifest["spec"]["tfReplicaSpecs"]["Worker"]
-    assert set(manifest["spec"]["tfReplicaSpecs"]) == {"Worker"}  # no chief/ps: worker 0 is the chief
-    assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
-    (container,) = worker["template"]["spec"]["containers"]
-    assert container["name"] == "tensorflow"
-    assert container["image"] == "reg.io/team/train:1.2"
-    assert container["command"] == ["python", "/app/train.py", *args]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
-    plain = yaml.safe_load(k8s_manifest("t.py", workers=1, image="i"))
-    assert "resources" not in plain["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert "namespace" not in plain["metadata"]
+def test_launch_config_is_checked_once_and_drives_launch(tmp_path):
+    path = script(tmp_path, REPORT)
+    config = LaunchConfig(path, ["--lr", "0.1"], workers=2, hosts=None, gpus=[3], env={"A": "1"})
+    assert (config.mode, config.args, config.node_rank, config.gpus, config.env) == (
+        "workers", ("--lr", "0.1"), 0, ("3",), {"A": "1"})
+    assert config.command == [sys.executable, path, "--lr", "0.1"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.workers = 3
+    assert LaunchConfig(path, hosts="h1:2,h2:1", node_rank=1).hosts == (("h1", 2), ("h2", 1))
+    assert LaunchConfig(path, nnodes=2, workers=1, master="h:1", node_rank=1).mode == "nnodes"
+    with pytest.raises(ValueError, match="master= goes with nnodes="):
+        LaunchConfig(path, workers=1, master="h:1")
+    with pytest.raises(TypeError, match="args must be strings"):
+        LaunchConfig(path, "--lr 0.1", workers=1)  # a string, not a list of them
+    # launch(config) runs it as launch(...) would; other arguments beside a config are refused.
+    out = io.StringIO()
+    assert launch(LaunchConfig(path, ["--lr", "0.1"], workers=2, gpus=[]), output=out) == 0
+    assert lines_of(out.getvalue(), 1)[0] == "index 1 args ['--lr', '0.1']"
+    with pytest.raises(ValueError, match=re.escape("launch(config) takes no other argument but output=, "
+                                                   "got ['max_restarts', 'workers']")):
+        launch(config, workers=3, max_restarts=1)
+    # The command line builds the same config.
+    from keras_replicator.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["launch", "--workers", "2", "--gpus", "", "--max-restarts", "1",
+                                      path, "--lr", "0.1"])
+    assert config_from_args(args) == LaunchConfig(path, ["--lr", "0.1"], workers=2, gpus=[], max_restarts=1)
 
 
-def test_k8s_command_prints_the_manifest(capsys):
-    assert main(["k8s", "--workers", "2", "--image", "img:3", "--restart-policy", "ExitCode", "t.py", "--fast"]) == 0
-    manifest = yaml.safe_load(capsys.readouterr().out)
-    worker = manifest["spec"]["tfReplicaSpecs"]["Worker"]
-    assert worker["replicas"] == 2 and worker["restartPolicy"] == "ExitCode"
-    assert worker["template"]["spec"]["containers"][0]["command"] == ["python", "t.py", "--fast"]
+def test_restart_policy():
+    sync = RestartPolicy(max_restarts=1)
+    assert sync.after_failure(("worker", 1), task_restarts=0, job_restarts=0) is Action.RESTART_JOB
+    assert sync.after_failure(("worker", 1), task_restarts=0, job_restarts=1) is Action.END
+    ps = RestartPolicy(max_restarts=1, parameter_servers=True)
+    assert ps.after_failure(("worker", 1), task_restarts=0, job_restarts=0) is Action.RESTART_TASK
+    assert ps.after_failure(("worker", 1), task_restarts=1, job_restarts=0) is Action.GO_ON
+    assert RestartPolicy(parameter_servers=True).after_failure(("worker", 0), 0, 0) is Action.GO_ON
+    for task in (("chief", 0), ("ps", 0)):
+        assert ps.after_failure(task, task_restarts=0, job_restarts=0) is Action.END
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"workers": 0}, "workers must be a positive integer"),
-        ({"image": "my image"}, "image must be a container image reference"),
-        ({"name": "-job"}, "name must be a Kubernetes name"),
-        ({"name": "x" * 64}, "name must be a Kubernetes name"),
-        ({"namespace": "Team"}, "namespace must be a Kubernetes name"),
-        ({"gpus_per_worker": -1}, "gpus_per_worker must be a non-negative integer"),
-        ({"restart_policy": "Sometimes"}, "restart_policy must be one of"),
-        ({"ps": -1}, "ps must be a non-negative integer"),
-    ],
-)
-def test_bad_k8s_arguments(kwargs, message):
-    arguments = {"workers": 2, "image": "img:1", **kwargs}
-    with pytest.raises(ValueError, match=re.escape(message)):
-        k8s_manifest("t.py", **arguments)
+def test_one_address_parser():
+    assert split_address("10.0.0.1:2222") == ("10.0.0.1", 2222)
+    assert split_address("[::1]:2222") == ("::1", 2222) and format_address("::1", 2222) == "[::1]:2222"
+    assert split_address(format_address("node-1.example", 80)) == ("node-1.example", 80)
+    for bad, message in (("h", "master must be host:port, got 'h'"), ("h:0", "master: port 0 of 'h:0' is not in"),
+                         ("h/x:1", "master must be host:port"), (None, "master must be host:port, got None")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            split_address(bad, "master")

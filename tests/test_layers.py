@@ -298,7 +298,7 @@ def test_second_order_gradients_match_one_device(strategy):
 def test_gradients_match_one_device_keras_batch_norm(strategy, monkeypatch, fused, rank):
     # The layer picks TensorFlow's fused kernels for large activations and plain ops for
     # small ones: both paths against one-device Keras batch norm on the same global batch.
-    monkeypatch.setattr(kr.layers.batch_normalization, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
+    monkeypatch.setattr(kr.layers.batch_norm_ops, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
     rng = np.random.default_rng(11)
     shape = (16, 3, 3, 6) if rank == 4 else (16, 6)
     x = (rng.normal(size=shape) * 3 + 5).astype("float32")
@@ -332,7 +332,7 @@ def test_gradients_match_one_device_keras_batch_norm(strategy, monkeypatch, fuse
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "plain_ops"])
 def test_large_mean_inputs_stay_accurate_where_keras_synchronized_bn_fails(strategy, monkeypatch, fused):
-    monkeypatch.setattr(kr.layers.batch_normalization, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
+    monkeypatch.setattr(kr.layers.batch_norm_ops, "_FUSED_MIN_ELEMENTS", 0 if fused else 2**62)
     rng = np.random.default_rng(4)
     x = (1e4 + rng.normal(size=(64, 6, 6, 8))).astype("float32")
     expected = bn_reference(x)[0]  # float64, from the same float32 inputs
@@ -419,7 +419,7 @@ def test_conditional_training_matches_one_device(strategy):
     assert np.abs(gamma - 1).max() > 1e-3  # the per-class tables trained
 
 
-# --- plain Keras BatchNormalization under ReplicatorStrategy (issue item 4) -------------
+# --- plain Keras BatchNormalization under ReplicatorStrategy (moving statistics kept identical) -------------
 
 
 def replica_dependent_data():

@@ -23,7 +23,7 @@ import pytest
 
 from keras_replicator import launch as launcher
 from tests import multi_worker_job as job
-from tests.helpers import ROOT, regression_data
+from tests.helpers import ROOT, assert_chance_agreement, dropout_masks, regression_data
 
 JOB = os.path.join(ROOT, "tests", "multi_worker_job.py")
 LAUNCH_TIMEOUT = 400  # seconds; the launcher stops every worker after this
@@ -118,6 +118,18 @@ def test_fit_evaluate_predict_primitives_and_checkpoints(tmp_path, devices):
         assert p["sum"] == [values.sum()] * devices and p["mean"] == [values.mean()] * devices
         assert p["max"] == [float(n)] * devices and p["broadcast"] == [float(n)] * devices
         assert p["gather"] == [values.tolist()] * devices
+
+    # Dropout masks: independent on every replica of both workers and step to step; global
+    # replica 0 draws what one device draws.
+    masks = [[arrays[f"mask{s}_{d}"] for arrays in (chief_arrays, other_arrays) for d in range(devices)]
+             for s in range(2)]
+    one_device = dropout_masks(None)
+    for s, replicas in enumerate(masks):
+        for i in range(n):
+            for j in range(i + 1, n):
+                assert_chance_agreement(replicas[i], replicas[j])
+            assert_chance_agreement(masks[0][i], masks[1][i])
+        np.testing.assert_array_equal(replicas[0], one_device[s][0])
 
     # Checkpoints: the chief writes where asked; the other worker into its temporary
     # directories, which are gone.

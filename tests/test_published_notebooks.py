@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.notebooks import PUBLISHED, TUTORIALS
+from tests.notebooks import PUBLISHED, TUTORIALS, runtime_log_lines
 
 pytestmark = pytest.mark.devices(1)
 
@@ -47,3 +47,41 @@ def test_published_copy_has_the_same_cells_and_the_outputs_of_a_run(path):
     for cell in code:
         for out in cell.outputs:
             assert out.get("output_type") != "error", cell.source[:80]
+
+
+@pytest.mark.parametrize("path", TUTORIAL_PATHS, ids=os.path.basename)
+def test_published_outputs_show_no_tensorflow_runtime_noise(path):
+    """No C++/absl start-up lines, and no TensorFlow engine INFO lines naming another strategy."""
+    import nbformat
+
+    shown = nbformat.read(os.path.join(PUBLISHED, os.path.basename(path)), as_version=4)
+    for cell in shown.cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text", "")
+            assert not runtime_log_lines(text), (cell.source[:60], runtime_log_lines(text))
+            assert "INFO:tensorflow:" not in text, (cell.source[:60], text[:300])
+            assert "Using MirroredStrategy" not in text, cell.source[:60]
+
+
+def test_the_runtime_log_pattern_matches_what_tensorflow_prints_and_nothing_else():
+    from tests.notebooks import drop_runtime_log
+
+    log = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+           "I0000 00:00:1795415113.652024   12382 port.cc:153] oneDNN custom operations are on.\n"
+           "E0000 00:00:1795457747.712292    2108 util.cc:131] oneDNN supports DT_INT32 only\n")
+    user = "epoch 1: loss 0.52\nW1 is a weight name: fine\n"
+    assert len(runtime_log_lines(log)) == 3 and runtime_log_lines(user) == []
+    nb = nbformat_notebook([{"output_type": "stream", "name": "stderr", "text": log + user},
+                            {"output_type": "stream", "name": "stderr", "text": log}])
+    assert len(drop_runtime_log(nb)) == 6
+    assert [o["text"] for o in nb.cells[0].outputs] == [user]
+
+
+def nbformat_notebook(outputs):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print(1)")
+    cell.outputs = [nbformat.from_dict(o) for o in outputs]
+    nb.cells = [cell]
+    return nb

@@ -77,6 +77,11 @@ def test_trains_writes_outputs_and_resumes(one_process_run):
     assert [h["step"] for h in history] == [2]
     assert all(np.isfinite(h["fid"]) and h["inception_score"] >= 1.0 for h in history)
     assert all(0.0 <= h["class_accuracy"] <= 1.0 for h in history)
+    # Diversity per class, and the worst class reported on its own.
+    assert all(len(h["class_diversity"]) == 10 and h["worst_class_diversity"] > 0.0
+               and h["worst_class_diversity"] == pytest.approx(min(h["class_diversity"]), abs=1e-4)
+               for h in history)
+    assert "worst_class_diversity" in first.stdout and "class_diversity [" in first.stdout
     # Training time excludes the classifier, the evaluation and the checkpoint.
     assert 0.0 < history[0]["train_seconds"] < history[0]["seconds"]
     assert one_process_run["first_state"] == {"step": 2, "weights": "gan-2.weights.h5"}

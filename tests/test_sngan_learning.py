@@ -11,17 +11,14 @@ from keras_replicator.applications.sngan import metrics
 
 # Digits are 8x8: at 16x16 (two up-blocks) a step costs about a quarter of small32's.
 # Measured with these settings (seeds fixed, 4 replicas, loaded 2-core machine): class accuracy
-# 0.952 (worst class 0.80); within-class distance / real digits' 0.61..0.97; test 2 min.
+# 0.956 (worst class 0.84); within-class diversity over real digits' (8x8,
+# metrics.class_diversity) 0.52 (class 6) .. 0.80; test 2 min quiet, 10 min on a loaded machine.
+# The EMA generator (0.999, warmed up) of the same training measured 0.56. The command's defaults
+# (4x this batch, EMA) measured 0.69 for their worst class: docs/sngan.md.
 # (A calibration run fitting in chunks: 0.70 at 400 steps, 0.86 at 500, 0.97 at 600.)
 STEPS, GLOBAL_BATCH, N_DIS, LR = 600, 32, 1, 1e-3
 CONFIG = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)  # 16x16, ch 16
 SIZE = CONFIG.image_size
-
-
-def _mean_pairwise_distance(images):
-    flat = images.reshape(len(images), -1).astype(np.float64)
-    squared = np.sum((flat[:, None] - flat[None]) ** 2, -1)
-    return np.sqrt(np.maximum(squared[np.triu_indices(len(flat), 1)], 0)).mean()
 
 
 def test_class_conditional_samples_on_four_replicas():
@@ -46,10 +43,10 @@ def test_class_conditional_samples_on_four_replicas():
     samples = gan([z, labels]).numpy()
     predicted = np.argmax(classifier.predict(samples, verbose=0), 1)
     per_class = [np.mean(predicted[labels == c] == c) for c in range(10)]
-    ratios = [_mean_pairwise_distance(samples[labels == c])
-              / _mean_pairwise_distance(x[y == c][:50]) for c in range(10)]
+    # Within-class diversity (8x8) over real digits', per class: the worst class guarded (a
+    # class collapsing to a few images scores far lower; held-out real digits score 0.93+).
+    ratios = metrics.class_diversity(samples, labels, x, y)
     print(f"class accuracy {np.mean(per_class):.3f} (per class {np.round(per_class, 2)}); "
-          f"within-class distance / real {np.round(ratios, 2)}")
+          f"within-class diversity / real {np.round(ratios, 2)}, worst {ratios.min():.2f}")
     assert np.mean(per_class) >= 0.8, per_class
-    for c in range(10):
-        assert ratios[c] >= 0.5, (c, ratios)
+    assert ratios.min() >= 0.45, ratios

@@ -53,6 +53,30 @@ def test_inception_score_extremes():
     assert mean == pytest.approx(k, rel=1e-6) and std < 1e-6
 
 
+def test_class_diversity_per_class_against_numpy():
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(40, 16, 16, 1)).astype("float32")
+    real_labels = np.arange(40) % 2
+    samples = real.copy()
+    samples[real_labels == 1] = samples[1]  # class 1 collapsed to one image
+    ratios = metrics.class_diversity(samples, real_labels, real, real_labels)
+    assert ratios[0] == pytest.approx(1.0) and ratios[1] == pytest.approx(0.0)
+    # Halving the samples' spread halves the ratio, measured 8x8 (2x2 means) as in NumPy.
+    ratios = metrics.class_diversity(0.5 * real, real_labels, real, real_labels)
+    np.testing.assert_allclose(ratios, 0.5, rtol=1e-5)
+    other = rng.uniform(size=(40, 16, 16, 1)).astype("float32")
+
+    def spread(images):  # mean pairwise distance of 2x2 means
+        a = images.reshape(len(images), 8, 2, 8, 2).mean((2, 4)).reshape(len(images), -1)
+        return np.mean([np.linalg.norm(a[i] - a[j]) for i in range(len(a)) for j in range(i + 1, len(a))])
+
+    ratios = metrics.class_diversity(other, real_labels, real, real_labels, per_class=5)
+    want = [spread(other[real_labels == c][:5]) / spread(real[real_labels == c][:5]) for c in (0, 1)]
+    np.testing.assert_allclose(ratios, want, rtol=1e-5)
+    with pytest.raises(ValueError, match="class 0: need at least 2 samples and 2 real images, got 1"):
+        metrics.class_diversity(samples[:2], real_labels[:2], real, real_labels)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="Shapes do not match"):
         metrics.frechet_distance(np.zeros(2), np.eye(2), np.zeros(3), np.eye(3))

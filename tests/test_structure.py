@@ -124,3 +124,99 @@ def test_info_reports_versions_patch_ranges_and_devices():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "private-API patches: checked on these versions" in result.stdout
     assert "devices: /device:CPU:0, /device:CPU:1" in result.stdout
+
+
+# --- the patch lifetime: installed and scoped patches are undone exactly ------------
+
+
+def _every_patch():
+    from keras_replicator._compat import parameter_server
+
+    sets = [*_compat.installed_patches(), _compat._strategy_scope(), parameter_server.ATOMIC_UPDATES]
+    return [patch for patches in sets for patch in patches.patches]
+
+
+def _snapshot(patches):
+    """What each patched attribute is now: (owner, name) -> (own?, the owner's own value)."""
+    return {
+        (id(p.owner), p.name): (p.name in vars(p.owner), vars(p.owner).get(p.name), getattr(p.owner, p.name))
+        for p in patches
+    }
+
+
+def test_install_then_uninstall_restores_every_patched_attribute_exactly():
+    patches = _every_patch()
+    assert len(patches) >= 15, "every patch of _compat is a patch object"
+    was_installed = _compat.installed_patches()[0].applied
+    _compat.uninstall()
+    try:
+        before = _snapshot(patches)
+        _compat.install(sharded_variable_reads=True)
+        _compat.install(sharded_variable_reads=True)  # idempotent
+        installed = {(id(p.owner), p.name) for patches in _compat.installed_patches() for p in patches.patches}
+        for key, (_, _, value) in _snapshot(patches).items():
+            if key in installed:
+                assert value is not before[key][2], f"{key} was not patched by install()"
+        with _compat.strategy_scope_patches(), _compat.strategy_scope_patches():
+            assert all(p.applied for p in _compat._strategy_scope().patches)
+        assert not any(p.applied for p in _compat._strategy_scope().patches)
+        _compat.uninstall()
+        _compat.uninstall()  # idempotent
+        after = _snapshot(patches)
+        for key, (own, value, _) in before.items():
+            assert after[key][0] == own and after[key][1] is value, f"{key} not restored exactly"
+    finally:
+        if was_installed:
+            _compat.install()
+
+
+def test_patch_scopes_are_reentrant_and_thread_safe():
+    import threading
+
+    from keras_replicator._compat import patching
+
+    class Owner:
+        def method(self):
+            return "original"
+
+    class Child(Owner):
+        pass
+
+    patches = patching.Patches([patching.ScopedPatch(Child, "method", lambda original: lambda self: "patched")])
+    entered, release = threading.Barrier(5), threading.Event()
+
+    def worker():
+        with patches.scope():
+            entered.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    entered.wait()
+    assert Child().method() == "patched"
+    with patches.scope():
+        release.set()
+        for t in threads:
+            t.join()
+        assert Child().method() == "patched"  # still inside this thread's scope
+    assert Child().method() == "original" and "method" not in vars(Child)  # inherited again
+
+
+def test_importing_the_package_patches_nothing():
+    """No patch is a side effect of an import: only strategies (and CrossReplicaOptimizer) install."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, keras_replicator, keras_replicator._compat as c\n"
+        "for m in pkgutil.iter_modules(c.__path__):\n"
+        "    importlib.import_module('keras_replicator._compat.' + m.name)\n"
+        "import keras_replicator.optimizers\n"
+        "from keras_replicator._compat import patching\n"
+        "assert not patching._applied, sorted(p.name for p in patching._applied.values())\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "KR_TEST_DEVICES": "1"})
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-3000:]

@@ -12,27 +12,39 @@ installed version is outside the range a module was checked on.
 | `engines` | `MirroredExtended`, `CollectiveAllReduceExtended` | subclasses overriding private methods | TF 2.16-2.21 |
 | `distributed_values` | `PerReplica`, `Mirrored`, destination devices | constructors | TF 2.16-2.21 |
 | `all_reduce_gradient` | `ReplicaContext.all_reduce` | scoped patch (strategy scope) | TF 2.16-2.21 |
-| `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | permanent patch, ours only: no autotuning thread to join (issue 21) | TF 2.21 |
+| `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | installed patch, ours only: no autotuning thread to join at every epoch | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
-| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator | permanent patch, ours only | Keras 3.15 |
+| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
+| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step) | installed patch, ours only | Keras 3.15 |
+| `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, a private mark on the epoch iterator | installed patch, ours only: the first epoch after a mid-epoch restore skips the steps already done | Keras 3.15 |
+| `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
+| `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
 | `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.15 |
-| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` | permanent patch, multi-worker only | Keras 3.15 |
 | `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
-| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads | implementations the trainer wrapper calls; scoped and permanent patches | TF 2.21, Keras 3.15 |
-| `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; permanent check | Keras 3.15 |
+| `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
+| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
+| `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
+| `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
-Scoped patches are applied while any keras_replicator strategy's `scope()` is
-entered (`strategy.run` enters it too) and undone when the outermost exits, as
-Sonnet's `replicator.py` scopes its patches. The permanent ones patch entry
-points that Keras calls outside any strategy scope (`fit`, callbacks); they act
-only for keras_replicator's strategies and leave others to Keras's behaviour.
+One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
+object (nothing is patched when a module is imported), grouped in a
+`patching.Patches` set that applies them together and restores every attribute
+exactly. Scoped sets are applied while any of their scopes is entered
+(re-entrant, thread-safe): the strategy-scope patches while any keras_replicator
+strategy's `scope()` is entered (`strategy.run` enters it too), undone when the
+outermost exits, as Sonnet's `replicator.py` scopes its patches. Installed sets
+patch entry points that Keras calls outside any strategy scope (`fit`,
+callbacks): `install()` applies them (idempotent; a strategy or a
+`CrossReplicaOptimizer` calls it when made) and `uninstall()` undoes them. They
+act only for keras_replicator's strategies (`patching.ours`) and leave others to
+Keras's behaviour.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
-from collections.abc import Iterator
 
 # The versions each module was checked on, inclusive: (package, lowest, highest).
 CHECKED: dict[str, tuple[str, str, str]] = {
@@ -46,9 +58,14 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
     "keras_xla": ("keras", "3.15", "3.15"),
+    "preemption": ("tensorflow", "2.21", "2.21"),
+    "mid_epoch_resume": ("keras", "3.15", "3.15"),
     "keras_batch_norm": ("keras", "3.15", "3.15"),
+    "keras_seed_generator": ("keras", "3.15", "3.15"),
+    "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
+    "tf_logging": ("tensorflow", "2.16", "2.21"),
 }
 
 
@@ -81,27 +98,70 @@ def unchecked_versions() -> list[str]:
     return problems
 
 
-def install() -> None:
-    """Installs the permanent patches (idempotent); see the table above."""
+def installed_patches() -> list:
+    """The sets of patches `install()` may install, in order (each a `patching.Patches`)."""
+    return [_permanent(), _sharded_reads()]
+
+
+@functools.cache
+def _permanent():
     from keras_replicator._compat import (
         keras_checkpointing,
+        keras_optimizer,
         keras_trainer,
         keras_xla,
         multi_device_iterator,
+        patching,
     )
 
-    keras_trainer.install()
-    keras_xla.install()
-    keras_checkpointing.install()
-    # Per-replica input iterators without tf.data autotuning threads, whose join stalled
-    # every new epoch by up to 20 s (issue 21).
-    multi_device_iterator.install()
+    return patching.Patches([
+        *keras_trainer.PATCHES,
+        *keras_xla.PATCHES,
+        *keras_checkpointing.PATCHES,
+        *keras_optimizer.PATCHES,
+        # Per-replica input iterators without tf.data autotuning threads, whose join
+        # stalled every new epoch by up to 20 s.
+        *multi_device_iterator.PATCHES,
+    ])
 
 
-@contextlib.contextmanager
-def strategy_scope_patches() -> Iterator[None]:
+@functools.cache
+def _sharded_reads():
+    from keras_replicator._compat import parameter_server
+
+    return parameter_server.SHARDED_READS
+
+
+def install(*, sharded_variable_reads: bool = False) -> None:
+    """Installs the permanent patches (idempotent); see the table above.
+
+    ``sharded_variable_reads`` also installs `parameter_server.SHARDED_READS`
+    (for a strategy that partitions variables).
+    """
+    _permanent().install()
+    if sharded_variable_reads:
+        _sharded_reads().install()
+
+
+def uninstall() -> None:
+    """Undoes `install()`: every attribute it patched is restored exactly (idempotent)."""
+    for patches in reversed(installed_patches()):
+        patches.uninstall()
+
+
+@functools.cache
+def _strategy_scope():
+    from keras_replicator._compat import (
+        all_reduce_gradient,
+        keras_batch_norm,
+        keras_seed_generator,
+        patching,
+    )
+
+    return patching.Patches([all_reduce_gradient.PATCH, keras_batch_norm.PATCH,
+                             keras_seed_generator.PATCH])
+
+
+def strategy_scope_patches() -> contextlib.AbstractContextManager[None]:
     """The scoped patches, applied for the outermost of nested strategy scopes."""
-    from keras_replicator._compat import all_reduce_gradient, keras_batch_norm, patching
-
-    with patching.applied([all_reduce_gradient.PATCH, keras_batch_norm.PATCH]):
-        yield
+    return _strategy_scope().scope()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.eager import record
 
-from keras_replicator._compat.patching import ScopedPatch
+from keras_replicator._compat.patching import ScopedPatch, ours
 
 
 def gradient_tape_recording() -> bool:
@@ -42,7 +42,7 @@ def _cheap_gradient(original):
     def all_reduce(self, reduce_op, value, options=None):
         flat = tf.nest.flatten(value)
         if (
-            not getattr(self._strategy, "_keras_replicator", False)
+            not ours(self._strategy)
             or not flat
             or not all(isinstance(v, tf.Tensor) for v in flat)
         ):

@@ -212,6 +212,11 @@ class ReplicatorMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAll
     def cluster_resolver(self):
         return self._cluster_resolver
 
+    @property
+    def failure_timeout(self) -> float:
+        """Seconds without a heartbeat after which a worker counts as lost."""
+        return self._kr_failure_timeout
+
     def lost_worker_error(self, error: Exception) -> WorkerLostError | None:
         """A WorkerLostError naming the lost worker(s) if `error` came from one, else None."""
         return coordination.lost_worker_error(

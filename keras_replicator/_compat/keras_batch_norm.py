@@ -23,7 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_replicator._compat.patching import ScopedPatch
+from keras_replicator._compat.patching import ScopedPatch, ours
 
 
 def _replicating() -> bool:
@@ -31,7 +31,7 @@ def _replicating() -> bool:
     if not tf.distribute.has_strategy():
         return False
     strategy = tf.distribute.get_strategy()
-    return bool(getattr(strategy, "_keras_replicator", False)) and strategy.num_replicas_in_sync > 1
+    return ours(strategy) and strategy.num_replicas_in_sync > 1
 
 
 def _mean_aggregated_statistics(original):

@@ -2,13 +2,18 @@
 
 Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
 `on_train_begin`, `on_train_end` (keras.src.callbacks; checked on Keras 3.15), and
-reads `BackupAndRestore`'s private path attributes. Acts only for
-keras_replicator's strategies with more than one worker. Permanent (idempotent):
-callbacks run outside any strategy scope.
+reads `BackupAndRestore`'s private path attributes and `_current_epoch`. Acts only for
+keras_replicator's strategies (the chief-only writes with more than one worker).
+`PATCHES` are installed by `keras_replicator._compat.install()` (undone by
+`uninstall()`): callbacks run outside any strategy scope.
+`BackupAndRestore.on_train_begin` also resumes mid-epoch from a backup written
+at a preemption (`preemption`): it hands the step to the trainer's epoch
+iterator (`mid_epoch_resume.resume_current_fit_at`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -16,7 +21,8 @@ import tempfile
 import tensorflow as tf
 from keras.src.callbacks import backup_and_restore, model_checkpoint
 
-from keras_replicator._compat.keras_trainer import multi_worker
+from keras_replicator._compat import mid_epoch_resume
+from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours
 
 
 def _callback_strategy(callback):
@@ -53,22 +59,48 @@ class _PathsRedirected:
         return False
 
 
-def install() -> None:
-    """Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
+# Added to BackupAndRestore's training_metadata.json: the steps of "epoch" already done.
+STEP_KEY = "keras_replicator_step_in_epoch"
 
-    Why: Keras 3's callbacks (3.15) know nothing of workers, so every worker
-    would write the same files concurrently. On a non-chief worker of our
-    multi-worker strategies the output paths point into a temporary directory
-    that is removed after each save, the backup is not deleted at the end of
-    training (the chief does that), and after ``BackupAndRestore`` restored,
-    the workers check that they all resume from the same epoch (the backup must
-    be on storage every worker reads).
+
+def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
+    """Writes `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`).
+
+    Sets the private `_current_epoch` (the epoch Keras writes) and adds `STEP_KEY` to
+    the metadata file at `_training_metadata_path`; the weights and optimizer state are
+    written by `_save_model` (patched below: only the chief writes where asked).
     """
-    mc = model_checkpoint.ModelCheckpoint
-    if getattr(mc._save_model, "_keras_replicator_patch", False):
-        return
-    original_mc_save = mc._save_model
+    backup._current_epoch = epoch
+    backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
+    if is_chief:
+        with open(backup._training_metadata_path) as f:
+            metadata = json.load(f)
+        metadata[STEP_KEY] = int(step)
+        with open(backup._training_metadata_path, "w") as f:
+            json.dump(metadata, f)
 
+
+def read_step_in_epoch(backup) -> int:
+    """The steps of the restored epoch already done (0: none, or no mid-epoch backup)."""
+    path = backup._training_metadata_path
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f).get(STEP_KEY, 0))
+
+
+# Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
+#
+# Why: Keras 3's callbacks (3.15) know nothing of workers, so every worker
+# would write the same files concurrently. On a non-chief worker of our
+# multi-worker strategies the output paths point into a temporary directory
+# that is removed after each save, the backup is not deleted at the end of
+# training (the chief does that), and after ``BackupAndRestore`` restored,
+# the workers check that they all resume from the same epoch (the backup must
+# be on storage every worker reads).
+
+
+def _mc_save_model(original_mc_save):
     def mc_save_model(self, epoch, batch, logs):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
@@ -82,47 +114,63 @@ def install() -> None:
         finally:
             del self._get_file_path
 
-    br = backup_and_restore.BackupAndRestore
-    original_br_save, original_br_end, original_br_begin = br._save_model, br.on_train_end, br.on_train_begin
-    paths = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
+    return mc_save_model
+
+
+_BR_PATHS = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
              "_prev_training_metadata_path")
 
+
+def _br_save_model(original_br_save):
     def br_save_model(self):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
             return original_br_save(self)
-        with _PathsRedirected(self, paths, strategy):
+        with _PathsRedirected(self, _BR_PATHS, strategy):
             return original_br_save(self)
 
+    return br_save_model
+
+
+def _br_on_train_end(original_br_end):
     def br_on_train_end(self, logs=None):
         strategy = _callback_strategy(self)
         if strategy is None or strategy.is_chief:
             return original_br_end(self, logs)
 
+    return br_on_train_end
+
+
+def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         result = original_br_begin(self, logs)
-        strategy = _callback_strategy(self)
-        if strategy is not None:
-            # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact).
-            epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
-            total, squares = (
-                int(v)
-                for v in strategy.reduce("SUM", tf.constant([epoch, epoch * epoch], tf.int64), axis=None)
-            )
-            if strategy.num_workers * squares != total * total:
+        strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        step = read_step_in_epoch(self) if ours(strategy) else 0
+        epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
+        if multi_worker(strategy):
+            # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact), for epochs and steps.
+            values = tf.constant([epoch, epoch * epoch, step, step * step], tf.int64)
+            e, e2, s, s2 = (int(v) for v in strategy.reduce("SUM", values, axis=None))
+            n = strategy.num_workers
+            if n * e2 != e * e or n * s2 != s * s:
+                where = f"epoch {epoch}" + (f", step {step}" if step else "")
                 raise RuntimeError(
                     f"BackupAndRestore: the workers restored different epochs; worker "
-                    f"{strategy.worker_index} restored epoch {epoch} from {self.backup_dir!r}. The "
+                    f"{strategy.worker_index} restored {where} from {self.backup_dir!r}. The "
                     "chief writes the backup; backup_dir must be on storage that every worker reads "
                     "(a shared file system or bucket)."
                 )
+        if step:
+            mid_epoch_resume.resume_current_fit_at(epoch, step)
         return result
 
-    for cls, name, fn in (
-        (mc, "_save_model", mc_save_model),
-        (br, "_save_model", br_save_model),
-        (br, "on_train_end", br_on_train_end),
-        (br, "on_train_begin", br_on_train_begin),
-    ):
-        fn._keras_replicator_patch = True
-        setattr(cls, name, fn)
+    return br_on_train_begin
+
+
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(model_checkpoint.ModelCheckpoint, "_save_model", _mc_save_model),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "_save_model", _br_save_model),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_end", _br_on_train_end),
+    ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_begin", _br_on_train_begin),
+)

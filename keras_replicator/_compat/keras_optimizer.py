@@ -3,19 +3,22 @@
 * `skip_optimizer_gradient_all_reduce` overrides, on one optimizer instance, the
   private `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow;
   checked on Keras 3.15): the wrapped optimizer must not sum gradients a second time.
-* `refuse_outer_loss_scale_optimizer` patches `LossScaleOptimizer.__init__`
-  (permanent, idempotent; it acts only when the optimizer it wraps is given to
-  `is_cross_replica`): a loss scale outside the wrapper is refused when it is
-  made, with the fix in the message.
+* `PATCHES` patch `LossScaleOptimizer.__init__` (installed by
+  `keras_replicator._compat.install()`, which `CrossReplicaOptimizer` calls
+  before any exists; it acts only when the optimizer it wraps is a
+  `CrossReplicaOptimizer`, whose class says so with `reduces_gradients = True`
+  (`reduces_gradients`)): a loss scale outside the wrapper is refused when it
+  is made, with the fix in the message.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import keras
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+from keras_replicator._compat.patching import ScopedPatch
 
 
 def _already_reduced(grads_and_vars):
@@ -47,22 +50,23 @@ def skip_optimizer_gradient_all_reduce(optimizer) -> None:
         opt = getattr(opt, "inner_optimizer", None)
 
 
-def refuse_outer_loss_scale_optimizer(is_cross_replica: Callable[[object], bool]) -> None:
-    """Makes `LossScaleOptimizer(opt)` raise when `is_cross_replica(opt)`.
+def reduces_gradients(optimizer) -> bool:
+    """Whether `optimizer` all-reduces gradients itself (keras_replicator's `CrossReplicaOptimizer`)."""
+    return bool(getattr(type(optimizer), "reduces_gradients", False))
+
+
+def _refuse_outer_loss_scale_optimizer(original):
+    """`LossScaleOptimizer(opt)` raises when `reduces_gradients(opt)`.
 
     Why: the loss scale must see the all-reduced gradient, so that every
     replica makes the same finite/non-finite decision; wrapped the other way
     round it sees one replica's. Keras itself adds the outer
     `LossScaleOptimizer` in `compile` under a "mixed_float16" policy.
     """
-    cls = keras.optimizers.LossScaleOptimizer
-    original = cls.__init__
-    if getattr(original, "_keras_replicator_patch", False):
-        return
 
     @functools.wraps(original)
     def __init__(self, inner_optimizer, *args, **kwargs):
-        if is_cross_replica(inner_optimizer):
+        if reduces_gradients(inner_optimizer):
             raise ValueError(
                 "A LossScaleOptimizer cannot wrap a CrossReplicaOptimizer: the order must be the "
                 "other way round, so that the loss scale sees the all-reduced gradient: "
@@ -72,5 +76,10 @@ def refuse_outer_loss_scale_optimizer(is_cross_replica: Callable[[object], bool]
             )
         original(self, inner_optimizer, *args, **kwargs)
 
-    __init__._keras_replicator_patch = True
-    cls.__init__ = __init__
+    return __init__
+
+
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(keras.optimizers.LossScaleOptimizer, "__init__", _refuse_outer_loss_scale_optimizer),
+)

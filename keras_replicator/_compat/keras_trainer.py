@@ -7,25 +7,31 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   `call()` (keras-io's GAN style), as Keras does without a strategy;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
+* `TFEpochIterator._enumerate_iterator`: after `BackupAndRestore` restored a backup
+  written mid-epoch (at a preemption), the first epoch skips the data of the steps
+  already done (`resume_current_fit_at`);
 * `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
   hands a model built under `AsyncReplicatorStrategy` to `parameter_server`, and else,
   before any work, catches a model built outside the strategy's scope (an
   error when its data was distributed by one of our strategies, a warning when
   such a strategy exists), refuses infinite `validation_data` without
   `validation_steps`, re-raises a step's error caused by a lost worker as
-  `WorkerLostError`, and TensorFlow's oneDNN failure on an empty batch (a
+  `WorkerLostError`, appends the preemption check to `fit`'s callbacks
+  (`preemption`), and TensorFlow's oneDNN failure on an empty batch (a
   dataset with fewer examples than replicas leaves a replica empty) as a
   `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
   datasets (TF 2.16-2.21: `input_lib`).
 
-Every patch acts only for strategies marked `_keras_replicator` (the
+Every patch acts only for keras_replicator's strategies (`patching.ours`; the
 multi-worker ones only with more than one worker); other strategies keep
-Keras's behaviour. These patches are permanent (installed once, idempotent):
-`fit` is called outside any strategy scope, so they cannot be scoped.
+Keras's behaviour. `PATCHES` are installed by `keras_replicator._compat.install()`
+(and undone by `uninstall()`): `fit` is called outside any strategy scope, so
+they cannot be scoped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import warnings
@@ -35,26 +41,10 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-_MARK = "_keras_replicator_patch"
+from keras_replicator._compat import mid_epoch_resume, parameter_server
+from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours, ours_async
 
-
-def ours(strategy) -> bool:
-    """Whether `strategy` is one of keras_replicator's."""
-    return bool(getattr(strategy, "_keras_replicator", False))
-
-
-def multi_worker(strategy) -> bool:
-    """Whether `strategy` is one of keras_replicator's with more than one worker."""
-    return ours(strategy) and getattr(strategy, "num_workers", 1) > 1
-
-
-def _patched(fn):
-    setattr(fn, _MARK, True)
-    return fn
-
-
-def _is_patched(fn) -> bool:
-    return getattr(fn, _MARK, False)
+__all__ = ["PATCHES", "multi_worker", "ours", "register_strategy"]
 
 
 def _first_replica(strategy, value):
@@ -67,8 +57,8 @@ def _has_call(model) -> bool:
     return type(model).call is not keras.Model.call
 
 
-def _patch_symbolic_build() -> None:
-    """Why: `_maybe_symbolic_build` builds the model from one distributed batch by
+def _symbolic_build_from_first_replica(original):
+    """`TensorFlowTrainer._maybe_symbolic_build`. Why: `_maybe_symbolic_build` builds the model from one distributed batch by
     `strategy.reduce("MEAN", batch, axis=None)`: an element-wise mean of every
     replica's slice. That fails when the slices differ in size (a short last
     batch: "Inputs to operation AddN must have the same size and shape") and,
@@ -79,12 +69,7 @@ def _patch_symbolic_build() -> None:
     symbolically at all; without a strategy Keras skips this build and the
     model builds when the step is traced: we do the same.
     """
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls._maybe_symbolic_build
-    if _is_patched(original):
-        return
 
-    @_patched
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
         if not ours(strategy):
@@ -99,11 +84,11 @@ def _patch_symbolic_build() -> None:
         with strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
-    cls._maybe_symbolic_build = _maybe_symbolic_build
+    return _maybe_symbolic_build
 
 
-def _patch_reduce_per_replica() -> None:
-    """Global metrics and all of predict's rows across workers.
+def _reduce_across_workers(original):
+    """`reduce_per_replica`: global metrics and all of predict's rows across workers.
 
     Why: Keras 3's `reduce_per_replica` reduces across workers only for
     `isinstance(strategy, MultiWorkerMirroredStrategy)`, and there with
@@ -116,11 +101,7 @@ def _patch_reduce_per_replica() -> None:
     tf.data's data-sharding hands rows to replicas), and "mean"/"sum" reduce
     over every replica of every worker, element-wise as Keras does on one worker.
     """
-    original = tf_trainer.reduce_per_replica
-    if _is_patched(original):
-        return
 
-    @_patched
     def reduce_per_replica(values, strategy, reduction):
         if not multi_worker(strategy) or reduction == "first":
             return original(values, strategy, reduction)
@@ -141,7 +122,7 @@ def _patch_reduce_per_replica() -> None:
 
         return tf.nest.map_structure(_reduce, values)
 
-    tf_trainer.reduce_per_replica = reduce_per_replica
+    return reduce_per_replica
 
 
 def _infinite_without_steps(data, steps) -> bool:
@@ -154,17 +135,12 @@ def _infinite_without_steps(data, steps) -> bool:
     return False
 
 
-def _patch_epoch_iterator() -> None:
-    """Why: Keras 3.15's `EpochIterator` runs an epoch of an infinite `tf.data`
+def _refuse_infinite_epochs(original):
+    """`TFEpochIterator.__init__`. Why: Keras 3.15's `EpochIterator` runs an epoch of an infinite `tf.data`
     dataset forever when `steps_per_epoch` (`steps`) is not given. We raise
     instead, in `TFEpochIterator.__init__` (fit, evaluate, predict), before any step.
     """
-    cls = tf_trainer.TFEpochIterator
-    original = cls.__init__
-    if _is_patched(original):
-        return
 
-    @_patched
     @functools.wraps(original)
     def __init__(self, distribute_strategy=None, *args, **kwargs):
         if ours(distribute_strategy) and _infinite_without_steps(
@@ -177,8 +153,10 @@ def _patch_epoch_iterator() -> None:
                 "or make the dataset finite (remove .repeat())."
             )
         original(self, distribute_strategy, *args, **kwargs)
+        if ours(distribute_strategy):
+            mid_epoch_resume.current.iterator = weakref.ref(self)
 
-    cls.__init__ = __init__
+    return __init__
 
 
 # Every keras_replicator strategy created in this process (for the scope checks).
@@ -256,35 +234,25 @@ def _empty_replica_error(strategy, error: Exception) -> ValueError | None:
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
 
-# Keras's own entry points, as they were before the wrapper (parameter_server runs them
-# on the chief for evaluate and predict).
-ORIGINALS: dict = {}
+def _entry_point(name):
+    """One wrapper around the trainer's entry point `name` (see the module docstring)."""
 
-
-def _patch_entry_points() -> None:
-    """One wrapper around each of the trainer's entry points (see the module docstring)."""
-    cls = tf_trainer.TensorFlowTrainer
-    if _is_patched(cls.fit):
-        return
-
-    def wrap(name, method):
-        ORIGINALS[name] = method
-
-        @_patched
+    def wrap(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
             strategy = getattr(self, "_distribute_strategy", None)
-            if getattr(strategy, "_keras_replicator_async", False):
-                from keras_replicator._compat import parameter_server
-
+            if ours_async(strategy):
                 return parameter_server.ENTRY_POINTS[name](self, *args, **kwargs)
             _check_scope(self, name, args, kwargs)
             if not ours(strategy):
                 return method(self, *args, **kwargs)
+            watching = contextlib.nullcontext()
             if name == "fit":
                 _check_validation_data(kwargs)
+                args, kwargs, watching = _with_preemption_check(strategy, args, kwargs)
             try:
-                return method(self, *args, **kwargs)
+                with watching:
+                    return method(self, *args, **kwargs)
             except tf.errors.OpError as e:
                 lost = strategy.extended.lost_worker_error(e) if multi_worker(strategy) else None
                 if lost is not None:
@@ -296,13 +264,32 @@ def _patch_entry_points() -> None:
 
         return wrapper
 
-    for name in _ENTRY_POINTS:
-        setattr(cls, name, wrap(name, getattr(cls, name)))
+    return wrap
 
 
-def install() -> None:
-    """Installs every patch of this module (idempotent)."""
-    _patch_symbolic_build()
-    _patch_reduce_per_replica()
-    _patch_epoch_iterator()
-    _patch_entry_points()
+_FIT_CALLBACKS_POSITION = 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+
+
+def _with_preemption_check(strategy, args, kwargs):
+    """`fit`'s arguments with the preemption check appended to its callbacks (`preemption`)."""
+    from keras_replicator._compat import preemption
+
+    mode = getattr(strategy, "on_sigterm", "save")
+    if len(args) > _FIT_CALLBACKS_POSITION:
+        callbacks, watching = preemption.fit_callbacks(strategy, args[_FIT_CALLBACKS_POSITION], mode)
+        args = args[:_FIT_CALLBACKS_POSITION] + (callbacks,) + args[_FIT_CALLBACKS_POSITION + 1:]
+    else:
+        callbacks, watching = preemption.fit_callbacks(strategy, kwargs.get("callbacks"), mode)
+        kwargs = dict(kwargs, callbacks=callbacks)
+    return args, kwargs, watching
+
+
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _symbolic_build_from_first_replica),
+    ScopedPatch(tf_trainer, "reduce_per_replica", _reduce_across_workers),
+    ScopedPatch(tf_trainer.TFEpochIterator, "__init__", _refuse_infinite_epochs),
+    ScopedPatch(tf_trainer.TFEpochIterator, "_enumerate_iterator",
+                mid_epoch_resume.resume_from_mid_epoch),
+    *(ScopedPatch(tf_trainer.TensorFlowTrainer, name, _entry_point(name)) for name in _ENTRY_POINTS),
+)

@@ -59,9 +59,8 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_replicator._compat.keras_trainer import ours
+from keras_replicator._compat.patching import ScopedPatch, ours
 
-_MARK = "_keras_replicator_patch"
 CROSS_REPLICA_CALL = "_keras_replicator_cross_replica_call"
 JIT_AWARE = "_keras_replicator_jit_aware"
 
@@ -79,12 +78,7 @@ def _aggregated(variable) -> bool:
     )
 
 
-def _patch_direct_assign() -> None:
-    cls = tf_core.Variable
-    original = cls._direct_assign
-    if getattr(original, _MARK, False):
-        return
-
+def _deferred_assign(original):
     @functools.wraps(original)
     def _direct_assign(self, value):
         deferred = getattr(_tracing, "deferred", None)
@@ -93,8 +87,7 @@ def _patch_direct_assign() -> None:
             return
         original(self, value)
 
-    setattr(_direct_assign, _MARK, True)
-    cls._direct_assign = _direct_assign
+    return _direct_assign
 
 
 def refuse_collective_in_compiled(name: str) -> None:
@@ -279,12 +272,7 @@ def _compiled_step(model, step_function):
     return step_function
 
 
-def _patch_make_function() -> None:
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls._make_function
-    if getattr(original, _MARK, False):
-        return
-
+def _per_replica_make_function(original):
     @functools.wraps(original)
     def _make_function(self, step_function):
         if not (ours(self._distribute_strategy) and self.jit_compile and not self.run_eagerly):
@@ -296,8 +284,7 @@ def _patch_make_function() -> None:
         finally:
             self._jit_compile = True
 
-    setattr(_make_function, _MARK, True)
-    cls._make_function = _make_function
+    return _make_function
 
 
 def compilable(model) -> bool:
@@ -311,12 +298,7 @@ def compilable(model) -> bool:
     )
 
 
-def _patch_auto() -> None:
-    cls = base_trainer.Trainer
-    original = cls._resolve_auto_jit_compile
-    if getattr(original, _MARK, False):
-        return
-
+def _auto_as_one_device(original):
     @functools.wraps(original)
     def _resolve_auto_jit_compile(self):
         if not ours(getattr(self, "_distribute_strategy", None)):
@@ -325,12 +307,12 @@ def _patch_auto() -> None:
             return False  # as Keras: no XLA on CPU-only machines
         return base_trainer.model_supports_jit(self) and compilable(self)
 
-    setattr(_resolve_auto_jit_compile, _MARK, True)
-    cls._resolve_auto_jit_compile = _resolve_auto_jit_compile
+    return _resolve_auto_jit_compile
 
 
-def install() -> None:
-    """Installs every patch of this module (idempotent)."""
-    _patch_direct_assign()
-    _patch_make_function()
-    _patch_auto()
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(tf_core.Variable, "_direct_assign", _deferred_assign),
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "_make_function", _per_replica_make_function),
+    ScopedPatch(base_trainer.Trainer, "_resolve_auto_jit_compile", _auto_as_one_device),
+)

@@ -1,4 +1,4 @@
-"""Per-device input iterators without tf.data autotuning (issue 21: the stall that doubles).
+"""Per-device input iterators without tf.data autotuning (the epoch-start stall whose sleeps double).
 
 What: TensorFlow's `OwnedMultiDeviceIterator` (private, `tensorflow.python.data.ops.
 multi_device_iterator_ops`), which every `tf.distribute` strategy's distributed
@@ -38,9 +38,12 @@ import functools
 import threading
 
 import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops
+from tensorflow.python.distribute import input_lib
+
+from keras_replicator._compat.patching import ScopedPatch, ours
 
 _state = threading.local()
-_installed = False
 # False brings back TensorFlow's behaviour (the stall), to measure it: tests and benchmarks only.
 enabled = True
 
@@ -55,44 +58,29 @@ def _active() -> bool:
     return enabled and getattr(_state, "depth", 0) > 0
 
 
-def install() -> None:
-    """Installs the wrappers (idempotent).
+# `PATCHES`, installed by keras_replicator._compat.install() (undone by uninstall()):
+# `_create_device_dataset` (and, over CPU devices, `OwnedMultiDeviceIterator` for the
+# host pipeline) disables autotuning while a keras_replicator strategy's distributed
+# dataset is creating its iterators; the `__iter__` of TensorFlow's two distributed
+# dataset classes marks that time, for keras_replicator's strategies only (stock
+# strategies keep TF's behaviour).
 
-    `_create_device_dataset` (and, over CPU devices, `OwnedMultiDeviceIterator`
-    for the host pipeline) disables autotuning while a keras_replicator
-    strategy's distributed dataset is creating its iterators; the `__iter__` of
-    TensorFlow's two distributed dataset classes marks that time, for strategies
-    with `_keras_replicator = True` only (stock strategies keep TF's behaviour).
 
-    Example:
-        ```python
-        from keras_replicator._compat import multi_device_iterator
-        multi_device_iterator.install()
-        ```
-    """
-    global _installed
-    if _installed:
-        return
-    from tensorflow.python.data.ops import multi_device_iterator_ops
-    from tensorflow.python.distribute import input_lib
-
-    create = multi_device_iterator_ops._create_device_dataset
-
+def _device_dataset_without_autotune(create):
     @functools.wraps(create)
     def _create_device_dataset(*args, **kwargs):
         dataset = create(*args, **kwargs)
         return _no_autotune(dataset) if _active() else dataset
 
-    multi_device_iterator_ops._create_device_dataset = _create_device_dataset
+    return _create_device_dataset
 
-    # The host pipeline's iterator has the same thread. Over CPU replicas, which share the
-    # host's cores, its tuning buys little (a parallel map at AUTOTUNE runs one call per core;
-    # prefetch(AUTOTUNE) still sizes its buffer), so it is off there unless the dataset's
-    # options choose (measured: with only the per-device fix, 2 of 6 drops still took ~1 s
-    # with the machine's load average at 15).
-    cls = multi_device_iterator_ops.OwnedMultiDeviceIterator
-    init = cls.__init__
 
+# The host pipeline's iterator has the same thread. Over CPU replicas, which share the
+# host's cores, its tuning buys little (a parallel map at AUTOTUNE runs one call per core;
+# prefetch(AUTOTUNE) still sizes its buffer), so it is off there unless the dataset's
+# options choose (measured: with only the per-device fix, 2 of 6 drops still took ~1 s
+# with the machine's load average at 15).
+def _host_iterator_without_autotune(init):
     @functools.wraps(init)
     def __init__(self, dataset=None, devices=None, *args, **kwargs):
         if (_active() and dataset is not None and devices
@@ -102,21 +90,27 @@ def install() -> None:
             dataset = _no_autotune(dataset)
         init(self, dataset, devices, *args, **kwargs)
 
-    cls.__init__ = __init__
+    return __init__
 
-    for cls in (input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction):
-        original = cls.__iter__
 
-        def __iter__(self, _original=original):
-            if not getattr(getattr(self, "_strategy", None), "_keras_replicator", False):
-                return _original(self)
-            _state.depth = getattr(_state, "depth", 0) + 1
-            try:
-                return _original(self)
-            finally:
-                _state.depth -= 1
+def _marks_iterator_creation(original):
+    def __iter__(self, _original=original):
+        if not ours(getattr(self, "_strategy", None)):
+            return _original(self)
+        _state.depth = getattr(_state, "depth", 0) + 1
+        try:
+            return _original(self)
+        finally:
+            _state.depth -= 1
 
-        functools.update_wrapper(__iter__, original)
-        cls.__iter__ = __iter__
-    _installed = True
+    functools.update_wrapper(__iter__, original)
+    return __iter__
 
+
+PATCHES = (
+    ScopedPatch(multi_device_iterator_ops, "_create_device_dataset", _device_dataset_without_autotune),
+    ScopedPatch(multi_device_iterator_ops.OwnedMultiDeviceIterator, "__init__",
+                _host_iterator_without_autotune),
+    ScopedPatch(input_lib.DistributedDataset, "__iter__", _marks_iterator_creation),
+    ScopedPatch(input_lib.DistributedDatasetsFromFunction, "__iter__", _marks_iterator_creation),
+)

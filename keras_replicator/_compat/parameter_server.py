@@ -19,11 +19,12 @@ for Keras 3:
   consistent snapshot of the weights (nothing trains meanwhile).
 
 Every use of private Keras / TensorFlow API is here, each commented with what
-and why; checked on TF 2.21 / Keras 3.15. The patch of `TensorFlowTrainer` is a
-thin dispatch (permanent, idempotent, inert for every other strategy: users
-call `model.fit` on Keras's class, so that is the only hook); what changes
-Keras's behaviour is scoped: `atomic_variable_updates` while a step is traced,
-`_on_chief` while evaluate/predict run.
+and why; checked on TF 2.21 / Keras 3.15. `keras_trainer`'s patch of
+`TensorFlowTrainer` is a thin dispatch to `ENTRY_POINTS` (installed, inert for
+every other strategy: users call `model.fit` on Keras's class, so that is the
+only hook); what changes Keras's behaviour is scoped: `ATOMIC_UPDATES` while a
+step is traced, `_on_chief` while evaluate/predict run. `SHARDED_READS` are installed when
+variables are partitioned (inert for the others).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ import time
 
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.tensorflow import core
+from keras.src.backend.tensorflow import trainer as tf_trainer
 
-from keras_replicator._compat import keras_trainer
+from keras_replicator._compat import keras_seed_generator, patching
+from keras_replicator._compat.patching import ScopedPatch
 from keras_replicator._validation import check_int
 
 # How many closures fit keeps scheduled but unfinished, per worker. More lets a
@@ -46,14 +51,30 @@ _IN_FLIGHT_PER_WORKER = 2
 # How often the chief looks at a closure it waits for (and at the parameter servers).
 _POLL_SECONDS = 0.2
 
-def _is_async(strategy) -> bool:
-    return bool(getattr(strategy, "_keras_replicator_async", False))
-
 
 # --- atomic read-modify-write of Keras variables ------------------------------
 
 
-@contextlib.contextmanager
+def _atomic(op: str):
+    """`keras.Variable.<op>` as TensorFlow's one-op `ResourceVariable.<op>` (see `atomic_variable_updates`)."""
+
+    def make(inherited):
+        def method(self, value):
+            if in_stateless_scope():
+                return inherited(self, value)
+            value = tf.cast(self._convert_to_tensor(value, dtype=self._dtype), self._value.dtype)
+            return getattr(self._value, op)(value)
+
+        return method
+
+    return make
+
+
+ATOMIC_UPDATES = patching.Patches(
+    [ScopedPatch(core.Variable, op, _atomic(op)) for op in ("assign_add", "assign_sub")]
+)
+
+
 def atomic_variable_updates():
     """While active, `keras.Variable.assign_add` / `assign_sub` are single atomic ops.
 
@@ -64,36 +85,12 @@ def atomic_variable_updates():
     in between: the optimizer's `iterations` and the metrics' totals and counts
     come out short (measured: 47 of 60 steps counted with 2 workers). TensorFlow's
     `ResourceVariable.assign_add` is one `AssignAddVariableOp`, applied under
-    the variable's lock on the parameter server. Scoped: installed on Keras's
-    TensorFlow `Variable` class (keras.src.backend.tensorflow.core) while a step
-    function is traced, removed after. Checked on Keras 3.15.
+    the variable's lock on the parameter server. Scoped (`ATOMIC_UPDATES.scope()`,
+    re-entrant and thread-safe): installed on Keras's TensorFlow `Variable`
+    class (keras.src.backend.tensorflow.core) while a step function is traced,
+    removed when the last scope exits. Checked on Keras 3.15.
     """
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.tensorflow import core
-
-    cls = core.Variable
-    inherited_add, inherited_sub = cls.assign_add, cls.assign_sub
-    own = {name: cls.__dict__[name] for name in ("assign_add", "assign_sub") if name in cls.__dict__}
-
-    def update(op: str, inherited):
-        def method(self, value):
-            if in_stateless_scope():
-                return inherited(self, value)
-            value = tf.cast(self._convert_to_tensor(value, dtype=self._dtype), self._value.dtype)
-            return getattr(self._value, op)(value)
-
-        return method
-
-    cls.assign_add = update("assign_add", inherited_add)
-    cls.assign_sub = update("assign_sub", inherited_sub)
-    try:
-        yield
-    finally:
-        for name in ("assign_add", "assign_sub"):
-            if name in own:
-                setattr(cls, name, own[name])
-            else:
-                delattr(cls, name)
+    return ATOMIC_UPDATES.scope()
 
 
 # --- waiting for closures, with an eye on the parameter servers -----------------
@@ -165,12 +162,15 @@ def _train_function(model, strategy):
     Cached as `model.train_function` (Keras's `compile` resets it to None).
     """
     cached = getattr(model, "train_function", None)
-    if getattr(cached, "_keras_replicator_async", None) is strategy:
+    if getattr(cached, "_kr_strategy", None) is strategy:
         return cached
 
     @tf.function
     def train_function(iterator, steps):
-        with atomic_variable_updates():
+        # The index of the worker running this closure (a value bound when it runs: the
+        # function is traced once, on the chief): random draws differ across workers.
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        with atomic_variable_updates(), keras_seed_generator.folded_with_worker(worker):
             outputs = strategy.run(model.train_step, args=(next(iterator),))
             outputs = tf.nest.map_structure(functools.partial(_first, strategy), outputs)
             for _ in tf.range(steps - 1):
@@ -178,7 +178,7 @@ def _train_function(model, strategy):
                 outputs = tf.nest.map_structure(functools.partial(_first, strategy), step)
             return outputs
 
-    train_function._keras_replicator_async = strategy
+    train_function._kr_strategy = strategy
     model.train_function = train_function
     return train_function
 
@@ -212,6 +212,72 @@ def fit(
     from keras.src import optimizers as optimizers_module
 
     strategy = model._distribute_strategy
+    steps_per_epoch, epochs, initial_epoch = _check_fit_arguments(
+        model, strategy, x, y, batch_size, epochs, validation_split, validation_data,
+        class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_freq,
+    )
+    with _parameter_server_errors(strategy):
+        with strategy.scope():
+            # Creates the metrics', loss trackers' and optimizer's variables on the
+            # parameter servers from the element spec (Trainer._symbolic_build, Keras 3.15).
+            model._symbolic_build(data_batch=x.element_spec)
+        _refuse_partitioned_training(model)
+        train_function = _train_function(model, strategy)
+        iterator = x._iterator()
+
+        if not isinstance(callbacks, callbacks_module.CallbackList):
+            callbacks = callbacks_module.CallbackList(
+                callbacks,
+                add_history=True,
+                add_progbar=verbose != 0,
+                verbose=verbose,
+                epochs=epochs,
+                steps=steps_per_epoch,
+                model=model,
+            )
+        model.stop_training = False
+        callbacks.on_train_begin()
+        training_logs = None
+        logs = {}
+        # Set by BackupAndRestore.on_train_begin when it restored a backup (Keras 3.15).
+        initial_epoch = model._initial_epoch or initial_epoch
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            logs = _train_epoch(model, strategy, callbacks, train_function, iterator, steps_per_epoch, logs)
+            # The metrics' variables on the parameter servers: every step of every worker.
+            epoch_logs = dict(_pythonify(model._get_metrics_result_or_logs(logs)))
+            if validation_data is not None and model._should_eval(epoch, validation_freq):
+                val_x, val_y, val_sample_weight = _unpack(validation_data)
+                val_logs = evaluate(
+                    model,
+                    x=val_x,
+                    y=val_y,
+                    sample_weight=val_sample_weight,
+                    batch_size=validation_batch_size,
+                    steps=validation_steps,
+                    callbacks=callbacks,
+                    return_dict=True,
+                )
+                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
+            if model.stop_training:
+                break
+        if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+        callbacks.on_train_end(logs=training_logs)
+        return model.history
+
+
+def _check_fit_arguments(
+    model, strategy, x, y, batch_size, epochs, validation_split, validation_data,
+    class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_freq,
+) -> tuple[int, int, int]:
+    """Refuses what `fit` cannot do under a parameter-server strategy, before any work.
+
+    Returns the checked ``(steps_per_epoch, epochs, initial_epoch)``.
+    """
     model._assert_compile_called("fit")
     if not getattr(x, "_keras_replicator_async_input", False):
         raise TypeError(
@@ -247,76 +313,37 @@ def fit(
         )
     if validation_data is not None:
         _check_outside_scope(strategy, "fit(..., validation_data=...)")
-    with _parameter_server_errors(strategy):
-        with strategy.scope():
-            # Creates the metrics', loss trackers' and optimizer's variables on the
-            # parameter servers from the element spec (Trainer._symbolic_build, Keras 3.15).
-            model._symbolic_build(data_batch=x.element_spec)
-        _refuse_partitioned_training(model)
-        train_function = _train_function(model, strategy)
-        iterator = x._iterator()
-        per_execution = int(model.steps_per_execution)
-        max_in_flight = _IN_FLIGHT_PER_WORKER * strategy.num_workers
+    return steps_per_epoch, epochs, initial_epoch
 
-        if not isinstance(callbacks, callbacks_module.CallbackList):
-            callbacks = callbacks_module.CallbackList(
-                callbacks,
-                add_history=True,
-                add_progbar=verbose != 0,
-                verbose=verbose,
-                epochs=epochs,
-                steps=steps_per_epoch,
-                model=model,
-            )
-        model.stop_training = False
-        callbacks.on_train_begin()
-        training_logs = None
-        logs = {}
-        # Set by BackupAndRestore.on_train_begin when it restored a backup (Keras 3.15).
-        initial_epoch = model._initial_epoch or initial_epoch
-        for epoch in range(initial_epoch, epochs):
-            model.reset_metrics()
-            callbacks.on_epoch_begin(epoch)
-            pending: collections.deque = collections.deque()
-            step = 0
-            while step < steps_per_epoch:
-                n = min(per_execution, steps_per_epoch - step)
-                callbacks.on_train_batch_begin(step)
-                pending.append(
-                    strategy.coordinator.schedule(train_function, args=(iterator, tf.constant(n)))
-                )
-                while len(pending) > max_in_flight:
-                    logs = _fetch(strategy, pending.popleft())
-                step += n
-                callbacks.on_train_batch_end(step - 1, logs)
-                if model.stop_training:
-                    break
-            _join(strategy)
-            if pending:
-                logs = _fetch(strategy, pending[-1])
-            # The metrics' variables on the parameter servers: every step of every worker.
-            epoch_logs = dict(_pythonify(model._get_metrics_result_or_logs(logs)))
-            if validation_data is not None and model._should_eval(epoch, validation_freq):
-                val_x, val_y, val_sample_weight = _unpack(validation_data)
-                val_logs = evaluate(
-                    model,
-                    x=val_x,
-                    y=val_y,
-                    sample_weight=val_sample_weight,
-                    batch_size=validation_batch_size,
-                    steps=validation_steps,
-                    callbacks=callbacks,
-                    return_dict=True,
-                )
-                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-            callbacks.on_epoch_end(epoch, epoch_logs)
-            training_logs = epoch_logs
-            if model.stop_training:
-                break
-        if isinstance(model.optimizer, optimizers_module.Optimizer) and epochs > 0:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
-        callbacks.on_train_end(logs=training_logs)
-        return model.history
+
+def _train_epoch(model, strategy, callbacks, train_function, iterator, steps_per_epoch, logs) -> dict:
+    """Schedules one epoch's steps onto the workers; returns the last fetched step's logs.
+
+    ``logs`` are the last ones fetched before (the batch callbacks get them until
+    a step of this epoch has been fetched).
+    Keeps at most `_IN_FLIGHT_PER_WORKER` closures per worker unfinished, runs
+    the batch callbacks on the chief, and waits for every closure at the end.
+    """
+    per_execution = int(model.steps_per_execution)
+    max_in_flight = _IN_FLIGHT_PER_WORKER * strategy.num_workers
+    pending: collections.deque = collections.deque()
+    step = 0
+    while step < steps_per_epoch:
+        n = min(per_execution, steps_per_epoch - step)
+        callbacks.on_train_batch_begin(step)
+        pending.append(
+            strategy.coordinator.schedule(train_function, args=(iterator, tf.constant(n)))
+        )
+        while len(pending) > max_in_flight:
+            logs = _fetch(strategy, pending.popleft())
+        step += n
+        callbacks.on_train_batch_end(step - 1, logs)
+        if model.stop_training:
+            break
+    _join(strategy)
+    if pending:
+        logs = _fetch(strategy, pending[-1])
+    return logs
 
 
 def _refuse_partitioned_training(model) -> None:
@@ -389,28 +416,33 @@ def _refuse_async_input(x, what: str) -> None:
         )
 
 
+def _keras_method(name: str):
+    """Keras's own `TensorFlowTrainer.<name>`, not `keras_trainer`'s wrapper around it."""
+    return patching.original(tf_trainer.TensorFlowTrainer, name)
+
+
 def evaluate(model, x=None, y=None, *args, **kwargs):
     """Keras's `evaluate`, run on the chief (see `_on_chief`)."""
     _refuse_async_input(x, "evaluate")
     with _on_chief(model, model._distribute_strategy, "evaluate"):
-        return keras_trainer.ORIGINALS["evaluate"](model, x, y, *args, **kwargs)
+        return _keras_method("evaluate")(model, x, y, *args, **kwargs)
 
 
 def predict(model, x, *args, **kwargs):
     """Keras's `predict`, run on the chief (see `_on_chief`)."""
     _refuse_async_input(x, "predict")
     with _on_chief(model, model._distribute_strategy, "predict"):
-        return keras_trainer.ORIGINALS["predict"](model, x, *args, **kwargs)
+        return _keras_method("predict")(model, x, *args, **kwargs)
 
 
 def test_on_batch(model, *args, **kwargs):
     with _on_chief(model, model._distribute_strategy, "test_on_batch"):
-        return keras_trainer.ORIGINALS["test_on_batch"](model, *args, **kwargs)
+        return _keras_method("test_on_batch")(model, *args, **kwargs)
 
 
 def predict_on_batch(model, *args, **kwargs):
     with _on_chief(model, model._distribute_strategy, "predict_on_batch"):
-        return keras_trainer.ORIGINALS["predict_on_batch"](model, *args, **kwargs)
+        return _keras_method("predict_on_batch")(model, *args, **kwargs)
 
 
 def train_on_batch(model, *args, **kwargs):
@@ -420,40 +452,41 @@ def train_on_batch(model, *args, **kwargs):
     )
 
 
-def install_sharded_variable_reads() -> None:
-    """Keras variables split by a `variable_partitioner` read as whole NumPy arrays.
-
-    What: `__array__` and `numpy` of Keras's TensorFlow `Variable`
-    (keras.src.backend.tensorflow.core.Variable, Keras 3.15), for a value that is
-    a `tf.__internal__.distribute.ShardedVariable` (TF 2.21) only. Why: Keras
-    reads `self.value.__array__()`, which a `ShardedVariable` lacks, so
-    `model.save`, `get_weights` and `BackupAndRestore` fail on a partitioned
-    variable; `tf.convert_to_tensor` of a `ShardedVariable` is the whole tensor
-    (its shards concatenated). Permanent (saving happens anywhere) but inert for
-    every other variable. Assigning a whole value (loading) already works: a
-    `ShardedVariable` splits it. Idempotent.
-    """
-    from keras.src.backend.tensorflow import core
-
-    cls = core.Variable
-    if getattr(cls.numpy, "_keras_replicator_sharded", False):
-        return
-    original_array, original_numpy = cls.__array__, cls.numpy
-    sharded = tf.__internal__.distribute.ShardedVariable
-
+def _sharded_array(original_array):
     def __array__(self, dtype=None, *args, **kwargs):
-        if isinstance(getattr(self, "_value", None), sharded):
+        if isinstance(getattr(self, "_value", None), tf.__internal__.distribute.ShardedVariable):
             value = tf.convert_to_tensor(self._value).numpy()
             return value if dtype is None else value.astype(dtype)
         return original_array(self, dtype, *args, **kwargs)
 
+    return __array__
+
+
+def _sharded_numpy(original_numpy):
     def numpy(self):
-        if isinstance(getattr(self, "_value", None), sharded):
+        if isinstance(getattr(self, "_value", None), tf.__internal__.distribute.ShardedVariable):
             return tf.convert_to_tensor(self._value).numpy()
         return original_numpy(self)
 
-    numpy._keras_replicator_sharded = True
-    cls.__array__, cls.numpy = __array__, numpy
+    return numpy
+
+
+# Keras variables split by a `variable_partitioner` read as whole NumPy arrays.
+#
+# What: `__array__` and `numpy` of Keras's TensorFlow `Variable`
+# (keras.src.backend.tensorflow.core.Variable, Keras 3.15), for a value that is
+# a `tf.__internal__.distribute.ShardedVariable` (TF 2.21) only. Why: Keras
+# reads `self.value.__array__()`, which a `ShardedVariable` lacks, so
+# `model.save`, `get_weights` and `BackupAndRestore` fail on a partitioned
+# variable; `tf.convert_to_tensor` of a `ShardedVariable` is the whole tensor
+# (its shards concatenated). Installed (saving happens anywhere) by
+# `keras_replicator._compat.install(sharded_variable_reads=True)` when a strategy
+# partitions variables, and inert for every other variable. Assigning a whole
+# value (loading) already works: a `ShardedVariable` splits it.
+SHARDED_READS = patching.Patches([
+    ScopedPatch(core.Variable, "__array__", _sharded_array),
+    ScopedPatch(core.Variable, "numpy", _sharded_numpy),
+])
 
 
 # What `keras_trainer`'s one wrapper around `TensorFlowTrainer`'s entry points calls

@@ -140,7 +140,13 @@ def preprocess_for_train(
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.imagenet import example_seeds, preprocess_for_train
+
+        images = tf.data.Dataset.from_tensor_slices(tf.zeros((2, 300, 400, 3), tf.uint8))
+        ds = tf.data.Dataset.zip(images, example_seeds(0))   # a seed per example
         ds = ds.map(lambda image, seed: preprocess_for_train(image, seed, image_size=224))
+        image = next(iter(ds))          # (224, 224, 3) float32: a random crop, resized, flipped or not
         ```
 
     Args:
@@ -205,7 +211,13 @@ def preprocess_for_eval(
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.imagenet import preprocess_for_eval
+
+        images = tf.zeros((2, 300, 400, 3), tf.uint8)      # or JPEG bytes, as TFDS gives them
+        ds = tf.data.Dataset.from_tensor_slices((images, [7, 3]))
         ds = ds.map(lambda image, label: (preprocess_for_eval(image), label))
+        image, label = next(iter(ds))   # (224, 224, 3) float32: the central 262x262, resized
         ```
 
     Args:
@@ -344,7 +356,9 @@ def input_fn(
 
 
 # The recipe moved to keras_replicator.applications.resnet (it is ResNet's, not the data
-# set's); the old names keep working for tutorial 1's readers, with a warning.
+# set's); the old names keep working for tutorial 1's readers, with a warning. The shim
+# resolves the new names from these strings when one is read: this module does not
+# depend on the recipe (which depends on it, for NUM_TRAIN_EXAMPLES).
 _MOVED = {
     "LARGE_BATCH": "keras_replicator.applications.resnet.LARGE_BATCH",
     "REFERENCE_TOP1": "keras_replicator.applications.resnet.REFERENCE_TOP1",
@@ -355,16 +369,16 @@ _MOVED = {
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
+        import importlib
         import warnings
-
-        from keras_replicator.applications.resnet import recipe
 
         warnings.warn(
             f"keras_replicator.applications.imagenet.{name} moved to {_MOVED[name]}.",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(recipe, name)
+        module, attribute = _MOVED[name].rsplit(".", 1)
+        return getattr(importlib.import_module(module), attribute)
     if name == "LearningRateDecay":
         raise AttributeError(
             "keras_replicator.applications.imagenet.LearningRateDecay was removed: the warmup "

@@ -9,11 +9,18 @@ ResNet-50; the GAN tutorial reuses the same reader).
 
 Example:
     ```python
+    import tensorflow as tf
+    import keras_replicator as kr
     from keras_replicator.applications import tfds_input
+
+    strategy = kr.ReplicatorStrategy()
+
+    def augment(image, seed):                 # the same flip whatever the pipeline's parallelism
+        return tf.image.stateless_random_flip_left_right(image, seed)
 
     def input_fn(ctx=None):
         ds = tfds_input.sharded_dataset("cifar10", "train", ctx, training=True, seed=0)
-        return ds.map(lambda example, seed: augment(example, seed))
+        return ds.map(lambda example, seed: (augment(example[0], seed), example[1]))
 
     train = strategy.distribute_dataset(input_fn, global_batch_size=256)
     ```
@@ -38,7 +45,12 @@ def example_seeds(seed: int) -> tf.data.Dataset:
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.tfds_input import example_seeds
+
+        images = tf.data.Dataset.range(3)               # stands for 3 images
         ds = tf.data.Dataset.zip(images, example_seeds(0))
+        [seed.shape for _, seed in ds]                  # three [2] int64 seeds, new ones each pass
         ```
     """
     check_int("seed", seed)
@@ -70,8 +82,12 @@ def sharded_dataset(
 
     Example:
         ```python
-        ds = sharded_dataset("imagenet2012", "train", ctx, training=True,
-                             decoders={"image": tfds.decode.SkipDecoding()})
+        import tensorflow_datasets as tfds
+        from keras_replicator.applications.tfds_input import sharded_dataset
+
+        def input_fn(ctx=None):   # ImageNet with the JPEG bytes kept, for a decode-and-crop
+            return sharded_dataset("imagenet2012", "train", ctx, training=True,
+                                   decoders={"image": tfds.decode.SkipDecoding()})
         ```
 
     Args:

@@ -1,7 +1,9 @@
 """Layers for replicated training: one module per kind of layer.
 
-* `batch_normalization`: `GlobalBatchNormalization`,
-  `ConditionalGlobalBatchNormalization` and `convert_to_global_batch_norm`.
+* `batch_normalization`: `GlobalBatchNormalization` and
+  `ConditionalGlobalBatchNormalization`, wiring up the kernels of
+  `batch_norm_ops` (statistics exchange, closed-form gradient, fused paths).
+* `batch_norm_conversion`: `convert_to_global_batch_norm`.
 * `spectral_normalization`: `SpectralNormalization` (power-iteration state
   identical on every replica) and `spectral_norm_sigma`.
 
@@ -20,10 +22,10 @@ Example:
     ```
 """
 
+from keras_replicator.layers.batch_norm_conversion import convert_to_global_batch_norm
 from keras_replicator.layers.batch_normalization import (
     ConditionalGlobalBatchNormalization,
     GlobalBatchNormalization,
-    convert_to_global_batch_norm,
 )
 from keras_replicator.layers.spectral_normalization import (
     SpectralNormalization,

@@ -31,6 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_replicator import _compat
 from keras_replicator._compat import keras_optimizer
 from keras_replicator._validation import check_bool, check_choice, check_number
 from keras_replicator.collectives import all_reduce
@@ -79,9 +80,10 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
     tell ``compile`` not to add another one:
 
     ```python
-    opt = kr.optimizers.CrossReplicaOptimizer(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)))
-    model.compile(opt, loss, auto_scale_loss=False)
+    with strategy.scope():
+        opt = kr.optimizers.CrossReplicaOptimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3)))
+        model.compile(opt, "mse", auto_scale_loss=False)
     ```
 
     The loss scale optimizer then sees the all-reduced gradient, so every replica
@@ -109,6 +111,10 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
             counted and left to it (it skips and lowers its scale).
         name: the optimizer's name.
     """
+
+    # It all-reduces gradients itself: a LossScaleOptimizer around it is refused
+    # (keras_replicator._compat.keras_optimizer.reduces_gradients).
+    reduces_gradients = True
 
     def __init__(
         self,
@@ -163,6 +169,8 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._strategy = tf.distribute.get_strategy()
         keras_optimizer.skip_optimizer_gradient_all_reduce(optimizer)
+        # Among them, the refusal of a LossScaleOptimizer around this one (keras_optimizer).
+        _compat.install()
 
     # --- state -----------------------------------------------------------------
 
@@ -173,7 +181,8 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
         Example:
             ```python
-            opt.build(model.trainable_variables)
+            with strategy.scope():
+                opt.build(model.trainable_variables)   # fit does it before the first step
             ```
         """
         if self.built:
@@ -255,8 +264,27 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
         Example:
             ```python
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply(grads, model.trainable_variables)
+            import tensorflow as tf
+
+            with strategy.scope():
+                optimizer = kr.optimizers.CrossReplicaOptimizer(keras.optimizers.SGD(0.1))
+                optimizer.build(model.trainable_variables)
+            x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+            batches = strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(16))   # 8 examples per replica
+
+            @tf.function
+            def train_step(x, y):
+                def replica_step(x, y):
+                    with tf.GradientTape() as tape:
+                        per_example = keras.losses.mean_squared_error(y, model(x))
+                        loss = tf.nn.compute_average_loss(per_example, global_batch_size=16)
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    optimizer.apply(grads, model.trainable_variables)   # all-reduced (summed), applied
+                strategy.run(replica_step, args=(x, y))
+
+            for x_batch, y_batch in batches:
+                train_step(x_batch, y_batch)
             ```
         """
         grads = list(grads)
@@ -426,10 +454,3 @@ def wrap_optimizer(optimizer: keras.optimizers.Optimizer | str, **kwargs: Any) -
     """
     return CrossReplicaOptimizer(optimizer, **kwargs)
 
-
-def _is_cross_replica(optimizer) -> bool:
-    return isinstance(optimizer, CrossReplicaOptimizer)
-
-
-# A LossScaleOptimizer around a CrossReplicaOptimizer is refused when it is made.
-keras_optimizer.refuse_outer_loss_scale_optimizer(_is_cross_replica)

@@ -58,8 +58,12 @@ def compress(grads: Sequence, compression: str | None) -> list:
 
     Example:
         ```python
-        wire = compress(grads, "bfloat16")      # half the bytes to all-reduce
-        back = decompress(wire, [g.dtype for g in grads])
+        import tensorflow as tf
+        from keras_replicator.optimizers.gradient_transforms import compress, decompress
+
+        grads = [tf.constant([1.0, 2.0]), tf.constant([3], tf.int32)]
+        wire = compress(grads, "bfloat16")       # floats in half the bytes to all-reduce; ints as they are
+        back = decompress(wire, [g.dtype for g in grads])   # float32 and int32 again
         ```
     """
     if compression is None:
@@ -127,10 +131,17 @@ class GradientAccumulator:
 
     Example:
         ```python
-        acc = GradientAccumulator(4)
-        acc.build(model.trainable_variables, track=optimizer_variables.append)
-        acc.add(grads, indices)                       # on every micro-batch
-        mean = acc.take(indices, present)             # on every 4th, in each replica
+        import keras
+        import tensorflow as tf
+        from keras_replicator.optimizers.gradient_transforms import GradientAccumulator
+
+        w = keras.Variable([0.0, 0.0])
+        acc = GradientAccumulator(2)
+        tracked = []
+        acc.build([w], track=tracked.append)             # one zeroed accumulator per variable
+        acc.add([tf.constant([1.0, 2.0])], [0])          # on every micro-batch
+        acc.add([tf.constant([3.0, 4.0])], [0])
+        mean = acc.take([0], [True])                     # [[2., 3.]] on every 2nd; zeroed again
         ```
 
     Args:
@@ -189,9 +200,18 @@ class NonFiniteSkip:
 
     Example:
         ```python
+        import keras
+        import tensorflow as tf
+        from keras_replicator.optimizers.gradient_transforms import NonFiniteSkip, all_finite
+
+        w = keras.Variable([1.0, 1.0])
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([w])
         skip = NonFiniteSkip()
         skip.build(lambda **kw: optimizer.add_variable(**kw))
-        skip.apply_if_finite(all_finite(grads), lambda: optimizer.apply(grads))
+        for grads in ([tf.constant([1.0, 1.0])], [tf.constant([1.0, float("nan")])]):
+            skip.apply_if_finite(all_finite(grads), lambda: optimizer.apply(grads, [w]))
+        w.numpy(), int(skip.skipped_steps.numpy())       # ([0.9, 0.9], 1): the NaN step was skipped
         ```
     """
 

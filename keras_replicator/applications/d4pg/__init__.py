@@ -4,7 +4,9 @@ The learner (`D4PGLearner`, a `keras.Model`) trains a deterministic policy and a
 distributional critic with `model.fit` under `ReplicatorStrategy`; actors (`Actor`, Ray actors)
 step their own environments with Gaussian exploration noise and send N-step transitions to a
 replay with a samples-per-insert rate limiter. `python -m keras_replicator.applications.d4pg`
-trains on a Gymnasium or DeepMind Control Suite task. Environments and actors need the `rl`
+trains on a Gymnasium or DeepMind Control Suite task: the command line fills a
+`config.D4PGConfig`, `builder` makes the run's parts from it (`make_learner`, `make_replay`,
+`make_actors`, `make_feeder`) and `training.run` wires them. Environments and actors need the `rl`
 extra (`pip install "keras-replicator[rl]"`); networks, losses and the learner do not.
 
 Example:

@@ -7,70 +7,82 @@ Writes `DIR/policy.keras`, `DIR/returns.csv`, `DIR/learning_curve.png` and `DIR/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
+# The command line only fills a D4PGConfig: its defaults and checks are the config's and the
+# builder's (imported when the command runs: they start TensorFlow).
+_FLAGS = {"env_id": "--env", "out_dir": "--out"}
+
 
 def _parser() -> argparse.ArgumentParser:
+    from keras_replicator.applications.d4pg.config import D4PGConfig as C
+
     p = argparse.ArgumentParser(
         prog="python -m keras_replicator.applications.d4pg",
         description="D4PG: Ray actors feeding a learner replicated with ReplicatorStrategy.",
     )
-    p.add_argument("--env", default="Pendulum-v1",
+    p.add_argument("--env", dest="env_id", default="Pendulum-v1",
                    help="Gymnasium id, e.g. Pendulum-v1 or dm_control/cartpole-swingup-v0")
-    p.add_argument("--out", required=True, help="output directory (resumed if it has a run)")
-    p.add_argument("--actors", type=int, default=2, help="number of Ray actors (default 2)")
+    p.add_argument("--out", dest="out_dir", required=True,
+                   help="output directory (resumed if it has a run)")
+    p.add_argument("--actors", type=int, default=C.actors, help=f"number of Ray actors (default {C.actors})")
     p.add_argument("--replicas", type=int, default=2,
                    help="learner replicas (simulated CPU devices on a CPU-only machine)")
-    p.add_argument("--env-steps", type=int, default=20_000, help="environment steps in all")
-    p.add_argument("--samples-per-insert", type=float, default=32.0,
+    p.add_argument("--env-steps", type=int, default=C.env_steps, help="environment steps in all")
+    p.add_argument("--samples-per-insert", type=float, default=C.samples_per_insert,
                    help="rate limiter: transitions sampled per transition inserted (Acme: 32)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
-    p.add_argument("--learning-rate", type=float, default=None,
+    p.add_argument("--batch-size", type=int, default=C.batch_size,
+                   help=f"global batch (default {C.batch_size})")
+    p.add_argument("--learning-rate", type=float, default=C.learning_rate,
                    help="Adam's, both networks (default: 1e-3 for Pendulum-v1, else 1e-4 as Acme)")
-    p.add_argument("--eval-every", type=int, default=2_000, help="env steps between evaluations")
-    p.add_argument("--eval-episodes", type=int, default=10)
-    p.add_argument("--ray-address", default=None,
+    p.add_argument("--eval-every", type=int, default=C.eval_every, help="env steps between evaluations")
+    p.add_argument("--eval-episodes", type=int, default=C.eval_episodes)
+    p.add_argument("--ray-address", default=C.ray_address,
                    help="join this Ray cluster (default: a local instance on 127.0.0.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=C.seed)
     return p
 
 
+def config_from_args(argv=None):
+    """The `D4PGConfig` the command line asks for, its arguments checked (exits on a bad one)."""
+    from keras_replicator.applications.d4pg import builder
+    from keras_replicator.applications.d4pg.config import D4PGConfig
+
+    parser = _parser()
+    config = D4PGConfig(**vars(parser.parse_args(argv)))
+    try:
+        return builder.check_arguments(config)
+    except ValueError as e:  # "<field> must be ...": named as its flag
+        name, _, rest = str(e).partition(" ")
+        if name not in {f.name for f in dataclasses.fields(D4PGConfig)}:
+            raise
+        parser.error(f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} {rest}")
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    for name in ("actors", "replicas", "env_steps", "batch_size", "eval_every", "eval_episodes"):
-        if getattr(args, name) < 1:
-            _parser().error(f"--{name.replace('_', '-')} must be a positive integer, "
-                            f"got {getattr(args, name)}.")
-    if args.learning_rate is not None and not args.learning_rate > 0:
-        _parser().error(f"--learning-rate must be positive, got {args.learning_rate}.")
-    if not args.samples_per_insert > 0:
-        _parser().error(f"--samples-per-insert must be positive, got {args.samples_per_insert}.")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    config = config_from_args(argv)
     import keras_replicator as kr
 
     try:
         from keras_replicator.applications.d4pg import environments
 
-        environments.env_spec(args.env)
+        environments.env_spec(config.env_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import tensorflow as tf
 
     if not tf.config.list_physical_devices("GPU"):
-        kr.simulate_devices(args.replicas)
+        kr.simulate_devices(config.replicas)
     from keras_replicator.applications.d4pg import training
 
-    rows = training.train(
-        args.env, args.out, actors=args.actors, replicas=args.replicas,
-        env_steps=args.env_steps, samples_per_insert=args.samples_per_insert,
-        batch_size=args.batch_size, seed=args.seed, ray_address=args.ray_address,
-        learning_rate=args.learning_rate, eval_every=args.eval_every, eval_episodes=args.eval_episodes,
-    )
+    rows = training.run(config)
     if rows:
         print(f"final evaluation return {rows[-1]['eval_return']:.1f} after "
-              f"{int(rows[-1]['env_steps'])} environment steps; outputs in {args.out}")
+              f"{int(rows[-1]['env_steps'])} environment steps; outputs in {config.out_dir}")
     return 0
 
 

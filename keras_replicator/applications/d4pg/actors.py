@@ -12,9 +12,12 @@ Actors are created with `max_restarts=-1`: when an actor's process dies, Ray sta
 
 Example:
     ```python
+    import ray
+    from keras_replicator.applications import d4pg
     from keras_replicator.applications.d4pg import actors
 
-    actors.start_ray()                                 # a local instance on 127.0.0.1
+    policy = d4pg.make_policy(3, low=[-2.0], high=[2.0])   # Pendulum: 3 observations, 1 action
+    actors.start_ray()                                     # a local instance on 127.0.0.1
     pool = actors.make_actors("Pendulum-v1", 2, seed=0)
     transitions, returns, steps = ray.get(pool[0].run.remote(policy.get_weights(), 100))
     actors.stop_ray()
@@ -103,6 +106,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
         ```python
         ray = start_ray()
         assert ray.util.get_node_ip_address() == "127.0.0.1"
+        stop_ray()
         ```
     """
     if address is None:
@@ -137,7 +141,9 @@ def make_actors(env_id: str, num_actors: int, *, seed: int = 0, n_step: int = 5,
 
     Example:
         ```python
-        pool = make_actors("Pendulum-v1", 4, seed=0)
+        start_ray()
+        pool = make_actors("Pendulum-v1", 4, seed=0)   # exploration noise 0.1 to 0.5 (actor_sigmas)
+        stop_ray()
         ```
     """
     ray = require("ray")

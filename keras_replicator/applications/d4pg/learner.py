@@ -14,6 +14,8 @@ As Acme's learner, both gradients are taken at the current weights before either
 
 Example:
     ```python
+    import numpy as np
+    import tensorflow as tf
     import keras_replicator as kr
     from keras_replicator.applications import d4pg
 
@@ -21,7 +23,13 @@ Example:
     with strategy.scope():
         learner = d4pg.D4PGLearner.create(obs_dim=3, low=[-2.0], high=[2.0])
         learner.compile()
-    learner.fit(strategy.distribute_dataset(batches, global_batch_size=256), steps_per_epoch=100)
+    n = 64                                    # replay samples, as the feeder sends them
+    batches = tf.data.Dataset.from_tensor_slices({
+        "observation": np.zeros((n, 3), "float32"), "action": np.zeros((n, 1), "float32"),
+        "reward": np.ones(n, "float32"), "discount": np.full(n, 0.99, "float32"),
+        "next_observation": np.zeros((n, 3), "float32")}).repeat()
+    learner.fit(strategy.distribute_dataset(batches, global_batch_size=32), steps_per_epoch=2,
+                verbose=0)
     ```
 """
 
@@ -135,6 +143,7 @@ class D4PGLearner(keras.Model):
 
         Example:
             ```python
+            learner = D4PGLearner.create(obs_dim=3, low=[-2.0], high=[2.0])
             learner.compile(learning_rate=1e-4, clip_global_norm=40.0)
             ```
         """

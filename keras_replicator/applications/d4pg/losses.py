@@ -50,7 +50,10 @@ def categorical_projection(
 
     Example:
         ```python
-        target = categorical_projection(atoms, softmax(target_logits), r, d)
+        atoms = tf.linspace(-10.0, 10.0, 51)
+        target_logits = tf.zeros((2, 51))
+        r, d = [1.0, 0.0], [0.99, 0.0]          # rewards; discounts (0 at an episode's end)
+        target = categorical_projection(atoms, tf.nn.softmax(target_logits), r, d)   # rows sum to 1
         ```
     """
     atoms = tf.convert_to_tensor(atoms, tf.float32)
@@ -71,7 +74,8 @@ def critic_mean(logits, atoms) -> tf.Tensor:
 
     Example:
         ```python
-        q = critic_mean(critic([obs, actions]), atoms)
+        atoms = tf.linspace(-10.0, 10.0, 51)
+        q = critic_mean(tf.zeros((2, 51)), atoms)   # [0., 0.]: uniform on a symmetric support
         ```
     """
     return tf.reduce_sum(tf.nn.softmax(logits, axis=-1) * atoms, axis=-1)
@@ -82,7 +86,8 @@ def categorical_cross_entropy(target_probabilities, logits) -> tf.Tensor:
 
     Example:
         ```python
-        loss = categorical_cross_entropy(target, critic([obs, actions]))
+        target = tf.fill((2, 51), 1 / 51)
+        loss = categorical_cross_entropy(target, tf.zeros((2, 51)))   # log(51) = 3.93 each
         ```
     """
     target = tf.stop_gradient(target_probabilities)
@@ -94,7 +99,8 @@ def dpg_loss(actions, dqda, clipping: float | None = 1.0) -> tf.Tensor:
 
     Example:
         ```python
-        loss = dpg_loss(actions, dq_da, clipping=1.0)
+        actions, dq_da = tf.constant([[0.5], [-1.0]]), tf.constant([[2.0], [0.1]])
+        loss = dpg_loss(actions, dq_da, clipping=1.0)   # [0.5, 0.005]: dq/da clipped to 1
         ```
     """
     dqda = tf.stop_gradient(dqda)

@@ -19,7 +19,7 @@ Example:
     policy = d4pg.make_policy(3, low=[-2.0], high=[2.0])
     critic = d4pg.make_critic(3, 1)
     obs = np.zeros((4, 3), "float32")
-    actions = policy(obs)                      # (4, 1), within [-2, 2]
+    actions = np.asarray(policy(obs))          # (4, 1), within [-2, 2]
     logits = critic([obs, actions])            # (4, 51)
     ```
 """
@@ -44,7 +44,7 @@ class ScaleToBounds(keras.layers.Layer):
     Example:
         ```python
         layer = ScaleToBounds(low=[-2.0], high=[2.0])
-        layer(keras.ops.tanh(x))     # in [-2, 2]
+        layer(keras.ops.tanh(np.array([[-30.0], [0.0], [30.0]])))   # [[-2.], [0.], [2.]]
         ```
     """
 
@@ -135,7 +135,8 @@ def make_critic(
     Example:
         ```python
         critic = make_critic(3, 1)
-        logits = critic([obs, actions])      # (n, 51)
+        obs, actions = np.zeros((4, 3), "float32"), np.ones((4, 1), "float32")
+        logits = critic([obs, actions])      # (4, 51)
         ```
     """
     obs_dim = check_int("obs_dim", obs_dim, minimum=1)
@@ -184,7 +185,9 @@ def policy_forward_numpy(
 
     Example:
         ```python
-        a = policy_forward_numpy(policy.get_weights(), obs, [-2.0], [2.0])
+        policy = make_policy(3, low=[-2.0], high=[2.0])
+        obs = np.ones((4, 3), "float32")
+        a = policy_forward_numpy(policy.get_weights(), obs, [-2.0], [2.0])   # == policy(obs), no TensorFlow
         ```
     """
     x = np.asarray(obs, np.float32)

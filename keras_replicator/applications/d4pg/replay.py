@@ -15,12 +15,14 @@ waits for actors when it is ahead; actors get no new work while they are ahead.
 
 Example:
     ```python
+    import numpy as np
     from keras_replicator.applications import d4pg
 
     acc = d4pg.NStepAccumulator(n=5, discount=0.99)
-    out = acc.add(obs, action, reward, next_obs, terminated=False, truncated=False)
+    obs, action, next_obs = np.zeros(3), np.zeros(1), np.ones(3)
+    items = acc.add(obs, action, 1.0, next_obs, terminated=True, truncated=False)  # episode ends
     replay = d4pg.ReplayBuffer(capacity=100_000, obs_dim=3, action_dim=1, seed=0)
-    replay.insert(out)
+    replay.insert(d4pg.replay.stack_transitions(items, obs_dim=3, action_dim=1))
     ```
 """
 
@@ -75,7 +77,9 @@ class NStepAccumulator:
     Example:
         ```python
         acc = NStepAccumulator(n=5, discount=0.99)
-        transitions = acc.add(obs, action, reward, next_obs, terminated, truncated)
+        for t in range(6):                       # the 6th step completes the first 5-step transition
+            items = acc.add(np.full(3, t), [0.0], 1.0, np.full(3, t + 1), False, False)
+        print(items[0][2:4])                     # reward 1 + .99 + ... + .99**4 = 4.90, discount .99**5
         ```
     """
 
@@ -132,9 +136,12 @@ class ReplayBuffer:
 
     Example:
         ```python
-        replay = ReplayBuffer(capacity=1_000_000, obs_dim=3, action_dim=1, seed=0)
+        replay = ReplayBuffer(capacity=1_000, obs_dim=3, action_dim=1, seed=0)
+        transitions = Transitions(np.zeros((10, 3), "float32"), np.zeros((10, 1), "float32"),
+                                  np.ones(10, "float32"), np.full(10, 0.99, "float32"),
+                                  np.ones((10, 3), "float32"))
         replay.insert(transitions)
-        batch = replay.sample(256)
+        batch = replay.sample(256)               # drawn uniformly, with replacement
         ```
     """
 
@@ -197,8 +204,9 @@ class RateLimiter:
 
     Example:
         ```python
-        limiter = RateLimiter(samples_per_insert=32, min_size_to_sample=1000, error_buffer=...)
-        if limiter.can_sample(256): ...
+        limiter = RateLimiter(samples_per_insert=32, min_size_to_sample=1000)
+        limiter.record_insert(1000)
+        limiter.can_sample(256)                  # True: 1000 inserts allow 32 samples each
         ```
     """
 

@@ -96,14 +96,23 @@ class Recipe:
 
     Example:
         ```python
+        import keras, numpy as np
+        import keras_replicator as kr
         from keras_replicator.applications.resnet import Recipe
 
-        recipe = Recipe(global_batch_size=1024)
+        strategy = kr.ReplicatorStrategy()
+        # At full scale: kr.applications.resnet50 on imagenet.input_fn("train") with
+        # Recipe(global_batch_size=1024). The same recipe on a small ResNet and 64 images:
+        recipe = Recipe(global_batch_size=32, epochs=2, warmup_epochs=1, num_train_examples=64)
         with strategy.scope():
-            model = kr.applications.resnet50(weight_decay=recipe.weight_decay)
+            model = kr.applications.resnet((1,), num_classes=10, input_shape=(32, 32, 3), width=8,
+                                           stem="small", weight_decay=recipe.weight_decay)
             recipe.compile(model)
-        model.fit(train, epochs=recipe.epochs, steps_per_epoch=recipe.steps_per_epoch(),
-                  callbacks=recipe.callbacks(backup_dir="/tmp/backup"))
+        x = np.random.rand(64, 32, 32, 3).astype("float32")
+        y = keras.utils.to_categorical(np.arange(64) % 10, 10)        # one-hot labels
+        model.fit(x, y, batch_size=recipe.global_batch_size, epochs=recipe.epochs,
+                  steps_per_epoch=recipe.steps_per_epoch(),            # 2
+                  callbacks=recipe.callbacks(backup_dir="backup"), verbose=0)
         ```
 
     Args:
@@ -289,8 +298,9 @@ class Recipe:
 
         Example:
             ```python
-            model.fit(train, epochs=recipe.epochs, steps_per_epoch=recipe.steps_per_epoch(),
-                      callbacks=recipe.callbacks(backup_dir="/shared/run1/backup"))
+            callbacks = recipe.callbacks(backup_dir="run1/backup",
+                                         checkpoint_path="run1/weights-{epoch}.weights.h5")
+            [type(c).__name__ for c in callbacks]   # ['BackupAndRestore', 'Throughput', 'ModelCheckpoint']
             ```
 
         Args:

@@ -5,6 +5,8 @@
   `"small16"`: 16x16, a quarter of small32's step).
 * `training`: `SNGAN`, the two-optimizer hinge-loss step for `fit`.
 * `data`: scikit-learn's digits and TFDS `imagenet2012` at 128x128.
+* `config` and `builder`: the command's run as a `RunConfig` the command line fills,
+  and the functions that make its parts from it (`python -m keras_replicator.applications.sngan`).
 
 Example:
     ```python

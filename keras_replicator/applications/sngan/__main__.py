@@ -21,10 +21,15 @@ checkpoint to resume, so `OUT` must be a folder they share.
 
 Writes `OUT/generator.keras` (the EMA generator if EMA is on), `OUT/metrics.json` (one
 record per evaluation interval: `step`, the losses, FID and Inception Score, on digits the
-`class_accuracy` of the samples, `seconds` since this invocation started and `train_seconds`,
+`class_accuracy` of the samples and their `class_diversity` (per class, 8x8 within-class
+distance over real digits') with its minimum `worst_class_diversity`, `seconds` since this
+invocation started and `train_seconds`,
 the run's time spent in training steps, summed over resumes: without the evaluations, the
 checkpoints and each invocation's first step, which traces and builds the step's graph) and
 `OUT/samples.png` (one row per class).
+
+The command line only fills a `config.RunConfig` (`config_from_args`, which refuses every bad
+input before TensorFlow starts); `builder.run` trains it.
 
 `OUT/checkpoint/` holds the run's own state, written atomically after every
 evaluation interval: `gan-STEP.weights.h5` (both networks, the EMA weights, the
@@ -37,10 +42,8 @@ interruption or with a larger `--steps`; the checkpoint stays after the run ends
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 from keras_replicator.__main__ import _non_negative_int, _positive_float, _positive_int
 
@@ -94,13 +97,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def config_from_args(argv: list[str] | None, parser: argparse.ArgumentParser):
+    """The `RunConfig` the command line asks for, every bad input refused before TensorFlow starts.
+
+    A flag left out takes its dataset's default (`DEFAULTS`).
+    """
+    from keras_replicator.applications.sngan.config import RunConfig
+
+    given = vars(parser.parse_args(argv))
+    if given["dataset"] not in DATASETS:
+        parser.error(f"unknown dataset {given['dataset']!r}; choose one of {', '.join(DATASETS)}")
+    for name, value in DEFAULTS[given["dataset"]].items():
+        if given[name] is None:
+            given[name] = value
+    args = RunConfig(**given)
+    _check(args, parser)
+    return args
+
+
+def _check(args, parser: argparse.ArgumentParser) -> None:
     """Every bad input is refused here, before TensorFlow starts."""
-    if args.dataset not in DATASETS:
-        parser.error(f"unknown dataset {args.dataset!r}; choose one of {', '.join(DATASETS)}")
-    for name, value in DEFAULTS[args.dataset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
     from keras_replicator import cluster
 
     try:  # a TF_CONFIG (launcher, Kubeflow) or Slurm cluster: every worker's replicas share it
@@ -131,209 +147,17 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--inception-weights {args.inception_weights!r} does not exist")
 
 
-def _samples_png(path: str, images, rows: int, cols: int) -> None:
-    import numpy as np
-    from PIL import Image
-
-    images = np.asarray((images + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
-    n, h, w, c = images.shape
-    grid = images.reshape(rows, cols, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, cols * w, c)
-    Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)
-
-
-def _read_state(folder: str) -> dict | None:
-    path = os.path.join(folder, "state.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _write_state(folder: str, gan, step: int) -> None:
-    """Weights first, then `state.json` naming them (each replaced atomically), then old files.
-
-    Every worker of a cluster calls it (reading the weights may need them all); only the
-    chief writes to `folder`.
-    """
-    import keras_replicator as kr
-
-    name = f"gan-{step}.weights.h5"
-    tmp = os.path.join(folder, f".tmp-{name}")
-    if gan.distribute_strategy.is_chief:
-        os.makedirs(folder, exist_ok=True)
-    if not kr.save_model(gan, tmp):
-        return
-    os.replace(tmp, os.path.join(folder, name))
-    with open(os.path.join(folder, ".tmp-state.json"), "w") as f:
-        json.dump({"step": step, "weights": name}, f)
-    os.replace(os.path.join(folder, ".tmp-state.json"), os.path.join(folder, "state.json"))
-    for old in os.listdir(folder):
-        if old.startswith("gan-") and old != name:
-            os.remove(os.path.join(folder, old))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    _check(args, parser)
-
-    import tensorflow as tf
-
-    import keras_replicator as kr
+    config = config_from_args(argv, parser)
+    from keras_replicator.applications.sngan import builder
 
     # The strategy first, before any tensor: in a cluster it configures TensorFlow's runtime.
-    if not tf.config.list_physical_devices("GPU"):
-        kr.simulate_devices(args.replicas)  # the launcher's --devices-per-worker wins
-        strategy = kr.ReplicatorStrategy()
-    else:
-        strategy = kr.ReplicatorStrategy([f"/gpu:{i}" for i in range(args.replicas)])
-    if args.global_batch_size % strategy.num_replicas_in_sync:
-        parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by the "
+    strategy = builder.make_strategy(config)
+    if config.global_batch_size % strategy.num_replicas_in_sync:
+        parser.error(f"--global-batch-size {config.global_batch_size} is not divisible by the "
                      f"{strategy.num_replicas_in_sync} replicas of {strategy}")
-    chief = strategy.is_chief  # only the chief writes to --out; every worker reads it
-
-    import dataclasses
-
-    import keras
-    import numpy as np
-
-    from keras_replicator.applications import sngan
-    from keras_replicator.applications.sngan import metrics
-
-    if chief:
-        os.makedirs(args.out, exist_ok=True)
-    cfg = sngan.get_config(args.config)
-    if args.ch:
-        cfg = dataclasses.replace(cfg, ch=args.ch)
-    if args.dataset == "digits":
-        cfg = dataclasses.replace(cfg, channels=1)
-        x, y = sngan.digits(cfg.image_size)
-        num_classes = sngan.DIGITS_CLASSES
-        train = sngan.digits_dataset(args.global_batch_size, args.n_dis, image_size=cfg.image_size,
-                                     num_replicas=strategy.num_replicas_in_sync, seed=args.seed,
-                                     data=(x, y))
-        # The judge of FID and accuracy is kept with the run: a resumed run measures with the
-        # same features (and does not train it again).
-        classifier_path = os.path.join(args.out, "classifier.keras")
-        # (In a cluster the other workers measure with their own, unrecorded: only the
-        # chief's metrics are written.)
-        if os.path.exists(classifier_path):
-            classifier = keras.saving.load_model(classifier_path)
-        else:
-            classifier = metrics.train_digits_classifier(x, y)
-            if chief:
-                classifier.save(classifier_path + ".tmp.keras")
-                os.replace(classifier_path + ".tmp.keras", classifier_path)
-        extractor = metrics.classifier_extractor(classifier)
-        real_feats, _ = metrics.real_features(extractor, x)
-    else:
-        num_classes = 1000
-        train = sngan.imagenet_dataset(strategy, args.global_batch_size, args.n_dis,
-                                       image_size=cfg.image_size, data_dir=args.data_dir,
-                                       seed=args.seed)
-        extractor = real_feats = None
-        if args.inception_weights:
-            extractor = metrics.inception_extractor(args.inception_weights)
-            val = sngan.imagenet_input_fn("validation", image_size=cfg.image_size,
-                                          data_dir=args.data_dir)(None)
-            images = np.concatenate([b[0].numpy() for b in val.batch(250).take(
-                -(-args.eval_samples // 250))])[:args.eval_samples]
-            real_feats, _ = metrics.real_features(extractor, images)
-
-    with strategy.scope():
-        keras.utils.set_random_seed(args.seed)
-        gan = sngan.SNGAN(sngan.generator(cfg, num_classes), sngan.discriminator(cfg, num_classes),
-                          num_classes=num_classes, n_dis=args.n_dis, seed=args.seed,
-                          ema_decay=None if args.ema_decay < 0 else args.ema_decay)
-        gan.compile(d_optimizer=sngan.default_optimizer(args.learning_rate),
-                    g_optimizer=sngan.default_optimizer(args.learning_rate))
-
-    checkpoint = os.path.join(args.out, "checkpoint")
-    state = _read_state(checkpoint)
-    done = 0
-    if state is not None:
-        with strategy.scope():
-            gan.load_weights(os.path.join(checkpoint, state["weights"]))
-        done = int(gan.g_optimizer.iterations.numpy())
-        if done != state["step"]:
-            raise SystemExit(f"{checkpoint}: state.json says step {state['step']} but the "
-                             f"weights hold {done} generator updates")
-        print(f"resuming from step {done} ({checkpoint})", flush=True)
-
-    metrics_path = os.path.join(args.out, "metrics.json")
-    history = json.load(open(metrics_path)) if os.path.exists(metrics_path) else []
-    history = [h for h in history if h["step"] <= done]  # past the checkpoint: redone
-    start = time.time()
-    # Time in training steps, summed over resumes: fit's epochs without the evaluation and
-    # checkpoint (done in on_epoch_end) and without this process's first step (graph building).
-    clock = {"train": history[-1].get("train_seconds", 0.0) if history else 0.0, "built": False}
-
-    class Interval(keras.callbacks.Callback):
-        """Evaluates, writes metrics.json and the checkpoint; stops at exactly --steps."""
-
-        def on_train_batch_end(self, batch, logs=None):
-            if int(gan.g_optimizer.iterations.numpy()) >= args.steps:
-                self.model.stop_training = True
-            if not clock["built"]:
-                clock["built"], clock["begin"] = True, time.perf_counter()
-
-        def on_epoch_begin(self, epoch, logs=None):
-            clock["begin"] = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            clock["train"] += time.perf_counter() - clock["begin"]
-            step = int(gan.g_optimizer.iterations.numpy())
-            record = {"step": step, "d_loss": float(logs["d_loss"]),
-                      "g_loss": float(logs["g_loss"]),
-                      "seconds": time.time() - start, "train_seconds": clock["train"]}
-            if extractor is not None:
-                with strategy.scope():
-                    sampler = gan.sampler()
-                # Latents keyed by (seed + step, round, replica): never the training's, which
-                # are keyed by (seed, ...) (see SNGAN._latents).
-                feats, probs, asked = metrics.generated_features(
-                    strategy, sampler, extractor, num_samples=args.eval_samples,
-                    num_classes=num_classes, seed=args.seed + step)
-                record["fid"] = metrics.frechet_distance(
-                    *metrics.gaussian_statistics(real_feats), *metrics.gaussian_statistics(feats))
-                record["inception_score"] = metrics.inception_score(probs)[0]
-                if args.dataset == "digits":
-                    # The classifier of real digits names the class asked for.
-                    record["class_accuracy"] = float(np.mean(np.argmax(probs, 1) == asked))
-            history[:] = [h for h in history if h["step"] < step] + [record]
-            if chief:
-                with open(metrics_path + ".tmp", "w") as f:
-                    json.dump(history, f, indent=1)
-                os.replace(metrics_path + ".tmp", metrics_path)
-            _write_state(checkpoint, gan, step)
-            if chief:
-                print("step {step}: ".format(**record) + ", ".join(
-                    f"{k} {v:.4g}" for k, v in record.items() if k != "step"), flush=True)
-
-    verbose = args.verbose if chief else 0
-    if done < args.steps:
-        # Intervals end at multiples of --eval-every (and at --steps): a resumed run
-        # first completes the interval it was in.
-        first = args.eval_every - done % args.eval_every
-        if first < args.eval_every:
-            gan.fit(train, epochs=1, steps_per_epoch=min(first, args.steps - done),
-                    verbose=verbose, shuffle=False, callbacks=[Interval()])
-            done = int(gan.g_optimizer.iterations.numpy())
-        if done < args.steps:
-            gan.fit(train, epochs=-(-(args.steps - done) // args.eval_every),
-                    steps_per_epoch=args.eval_every, verbose=verbose, shuffle=False, callbacks=[Interval()])
-
-    with strategy.scope():
-        sampler = gan.sampler()
-    kr.save_model(sampler, os.path.join(args.out, "generator.keras"))
-    if not chief:
-        return 0
-    rows = min(num_classes, 10)
-    z = np.random.default_rng(args.seed).standard_normal((rows * 10, cfg.z_dim)).astype("float32")
-    labels = np.repeat(np.arange(rows, dtype=np.int32), 10)
-    _samples_png(os.path.join(args.out, "samples.png"),
-                 sampler([z, labels], training=False).numpy(), rows, 10)
-    print(f"wrote {args.out}/generator.keras, metrics.json, samples.png")
+    builder.run(config, strategy)
     return 0
 
 

@@ -82,7 +82,11 @@ def digits_dataset(
 
     Example:
         ```python
-        gan.fit(sngan.digits_dataset(64, n_dis=5, num_replicas=4), steps_per_epoch=100)
+        from keras_replicator.applications import sngan
+
+        ds = sngan.digits_dataset(64, n_dis=5, num_replicas=2)
+        images, labels = next(iter(ds))   # (320, 32, 32, 1) in [-1, 1] and (320,): 5 batches of 64
+        # gan.fit(ds, steps_per_epoch=100): each step makes 5 discriminator updates
         ```
     """
     global_batch_size, n_dis = _check_batches(global_batch_size, n_dis, num_replicas)
@@ -99,7 +103,13 @@ def preprocess_imagenet(image: tf.Tensor, image_size: int = 128) -> tf.Tensor:
 
     Example:
         ```python
+        import tensorflow as tf
+        from keras_replicator.applications.sngan import preprocess_imagenet
+
+        images = tf.zeros((2, 300, 400, 3), tf.uint8)      # or JPEG bytes
+        ds = tf.data.Dataset.from_tensor_slices((images, [7, 3]))
         ds = ds.map(lambda image, label: (preprocess_imagenet(image), label))
+        image, label = next(iter(ds))   # (128, 128, 3): the central 300x300, resized; black is -1.0
         ```
     """
     return imagenet.preprocess_for_eval(

@@ -26,6 +26,7 @@ from keras_replicator import collectives
 from keras_replicator._validation import check_int
 
 __all__ = [
+    "class_diversity",
     "classifier_extractor",
     "digits_classifier",
     "frechet_distance",
@@ -43,7 +44,11 @@ def gaussian_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Example:
         ```python
-        mu, sigma = gaussian_statistics(features)
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import gaussian_statistics
+
+        features = np.random.default_rng(0).normal(size=(10_000, 2))
+        mu, sigma = gaussian_statistics(features)   # about [0, 0] and the 2x2 identity
         ```
     """
     f = np.asarray(features, np.float64)
@@ -66,7 +71,13 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
 
     Example:
         ```python
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import frechet_distance, gaussian_statistics
+
+        rng = np.random.default_rng(0)
+        real, fake = rng.normal(size=(10_000, 2)), rng.normal(1.0, size=(10_000, 2))
         fid = frechet_distance(*gaussian_statistics(real), *gaussian_statistics(fake))
+        # about 2.0: the means are sqrt(2) apart, the covariances equal
         ```
     """
     mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
@@ -86,7 +97,12 @@ def inception_score(probabilities: np.ndarray, splits: int = 1) -> tuple[float, 
 
     Example:
         ```python
-        score, spread = inception_score(probs, splits=10)
+        import numpy as np
+        from keras_replicator.applications.sngan.metrics import inception_score
+
+        probs = np.eye(10)[np.arange(100) % 10]    # confident, and every class as often
+        score, spread = inception_score(probs, splits=10)   # (10.0, 0.0): the number of classes
+        inception_score(np.full((100, 10), 0.1))             # (1.0, 0.0): the least
         ```
     """
     p = np.asarray(probabilities, np.float64)
@@ -148,7 +164,13 @@ def classifier_extractor(classifier: keras.Model, features_layer: str = "feature
 
     Example:
         ```python
-        extractor = classifier_extractor(train_digits_classifier(x, y))
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, train_digits_classifier)
+
+        x, y = sngan.digits(32)
+        extractor = classifier_extractor(train_digits_classifier(x[:256], y[:256], epochs=1))
+        features, probs = extractor(x[:8])   # (8, 64) and (8, 10)
         ```
     """
     return _two_outputs(classifier, classifier.get_layer(features_layer), "classifier_extractor")
@@ -190,8 +212,12 @@ def train_digits_classifier(
 
     Example:
         ```python
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import train_digits_classifier
+
         x, y = sngan.digits(32)
-        clf = train_digits_classifier(x, y)
+        clf = train_digits_classifier(x[:256], y[:256], epochs=1)   # all and 15 epochs by default
+        probs = clf.predict(x[:8], verbose=0)                       # (8, 10)
         ```
     """
     keras.utils.set_random_seed(seed)
@@ -204,12 +230,67 @@ def train_digits_classifier(
     return model
 
 
+def _mean_pairwise_distance(images: np.ndarray) -> float:
+    flat = images.reshape(len(images), -1).astype(np.float64)
+    squared = np.sum((flat[:, None] - flat[None]) ** 2, -1)
+    return float(np.sqrt(np.maximum(squared[np.triu_indices(len(flat), 1)], 0)).mean())
+
+
+def class_diversity(
+    samples: np.ndarray,
+    labels: np.ndarray,
+    real_images: np.ndarray,
+    real_labels: np.ndarray,
+    *,
+    size: int = 8,
+    per_class: int = 100,
+) -> np.ndarray:
+    """Per class: the samples' within-class diversity relative to real images of the class.
+
+    For class `c`, the mean pairwise Euclidean distance between (up to `per_class`) samples
+    asked for `c`, over that between the first `per_class` real images of `c`, both resized
+    to `size x size` (area averaging; digits are 8x8 originally). 1.0 is as varied as the real
+    class; a class collapsing to one image goes to 0. A mean over classes hides one collapsed
+    class: look at the minimum.
+
+    Example:
+        ```python
+        ratios = class_diversity(samples, asked, x, y)   # one ratio per class
+        worst = ratios.min()
+        ```
+    """
+    size = check_int("size", size, minimum=1)
+    per_class = check_int("per_class", per_class, minimum=2)
+    labels, real_labels = np.asarray(labels), np.asarray(real_labels)
+    classes = np.unique(real_labels)
+
+    def small(images):
+        return tf.image.resize(np.asarray(images, np.float32), [size, size], method="area").numpy()
+
+    for c in classes:
+        fakes, reals = int(np.sum(labels == c)), int(np.sum(real_labels == c))
+        if fakes < 2 or reals < 2:
+            raise ValueError(f"class {c}: need at least 2 samples and 2 real images, got "
+                             f"{fakes} and {reals}")
+    ratios = []
+    for c in classes:
+        fake, real = samples[labels == c][:per_class], real_images[real_labels == c][:per_class]
+        ratios.append(_mean_pairwise_distance(small(fake)) / _mean_pairwise_distance(small(real)))
+    return np.asarray(ratios)
+
+
 def real_features(extractor: keras.Model, images: np.ndarray, batch_size: int = 256):
     """`(features, probabilities)` of real images (one device).
 
     Example:
         ```python
-        feats, probs = real_features(extractor, x_real)
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, digits_classifier, real_features)
+
+        x_real, _ = sngan.digits(32)
+        extractor = classifier_extractor(digits_classifier(32))   # untrained here: use a trained one
+        feats, probs = real_features(extractor, x_real[:100])     # (100, 64) and (100, 10)
         ```
     """
     with _on_one_device_on_purpose():
@@ -237,8 +318,20 @@ def generated_features(
 
     Example:
         ```python
+        import dataclasses
+        import keras_replicator as kr
+        from keras_replicator.applications import sngan
+        from keras_replicator.applications.sngan.metrics import (
+            classifier_extractor, digits_classifier, generated_features)
+
+        strategy = kr.ReplicatorStrategy()
+        config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
+        with strategy.scope():
+            generator = sngan.generator(config, 10)        # a trained one: gan.sampler()
+            extractor = classifier_extractor(digits_classifier(16))
         feats, probs, labels = generated_features(
-            strategy, gan.sampler(), extractor, num_samples=1000, num_classes=10)
+            strategy, generator, extractor, num_samples=100, num_classes=10, per_replica_batch=32)
+        # (100, 64), (100, 10) and (100,): 2 rounds of 32 samples on each replica, 28 dropped
         ```
     """
     num_samples = check_int("num_samples", num_samples, minimum=1)

@@ -38,7 +38,10 @@ def default_optimizer(learning_rate: float = 2e-4) -> keras.optimizers.Adam:
 
     Example:
         ```python
-        gan.compile(d_optimizer=default_optimizer(), g_optimizer=default_optimizer())
+        from keras_replicator.applications.sngan import default_optimizer
+
+        opt = default_optimizer()   # Adam(2e-4, beta_1=0.0, beta_2=0.9); one for each network:
+        # gan.compile(d_optimizer=default_optimizer(), g_optimizer=default_optimizer())
         ```
     """
     return keras.optimizers.Adam(learning_rate, beta_1=0.0, beta_2=0.9)
@@ -49,7 +52,12 @@ def hinge_d_loss(real_logits, fake_logits):
 
     Example:
         ```python
-        loss = ops.mean(hinge_d_loss(d_real, d_fake))
+        import numpy as np
+        from keras import ops
+        from keras_replicator.applications.sngan import hinge_d_loss
+
+        d_real, d_fake = np.array([2.0, 0.5]), np.array([-2.0, 0.5])   # discriminator logits
+        loss = ops.mean(hinge_d_loss(d_real, d_fake))   # 1.0: (0 + 0 + 0.5 + 1.5) / 2
         ```
     """
     return ops.relu(1.0 - real_logits) + ops.relu(1.0 + fake_logits)
@@ -60,7 +68,12 @@ def hinge_g_loss(fake_logits):
 
     Example:
         ```python
-        loss = ops.mean(hinge_g_loss(d_fake))
+        import numpy as np
+        from keras import ops
+        from keras_replicator.applications.sngan import hinge_g_loss
+
+        d_fake = np.array([2.0, -1.0])             # the discriminator's logits on generated images
+        loss = ops.mean(hinge_g_loss(d_fake))      # -0.5
         ```
     """
     return -fake_logits
@@ -76,16 +89,20 @@ class SNGAN(keras.Model):
 
     Example:
         ```python
+        import dataclasses
         import keras_replicator as kr
         from keras_replicator.applications import sngan
 
         strategy = kr.ReplicatorStrategy()
+        config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)   # digits: grey, 16x16
         with strategy.scope():
-            gan = sngan.SNGAN(sngan.generator("small32", 10), sngan.discriminator("small32", 10),
+            gan = sngan.SNGAN(sngan.generator(config, 10), sngan.discriminator(config, 10),
                               num_classes=10, n_dis=5, ema_decay=0.999)
             gan.compile(d_optimizer=sngan.default_optimizer(),
                         g_optimizer=sngan.default_optimizer())
-        gan.fit(sngan.digits_dataset(global_batch_size=64, n_dis=5), steps_per_epoch=100)
+        train = sngan.digits_dataset(global_batch_size=16, n_dis=5, image_size=16,
+                                     num_replicas=strategy.num_replicas_in_sync)
+        gan.fit(train, steps_per_epoch=2, verbose=0)   # 2 steps: 10 discriminator, 2 generator updates
         ```
 
     Args:
@@ -171,7 +188,15 @@ class SNGAN(keras.Model):
 
         Example:
             ```python
+            import dataclasses
+            import keras_replicator as kr
+            from keras_replicator.applications import sngan
+
+            strategy = kr.ReplicatorStrategy()
+            config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
             with strategy.scope():
+                gan = sngan.SNGAN(sngan.generator(config, 10), sngan.discriminator(config, 10),
+                                  num_classes=10)
                 gan.compile(d_optimizer=kr.optimizers.CrossReplicaOptimizer(
                     sngan.default_optimizer()), g_optimizer=sngan.default_optimizer())
             ```
@@ -215,7 +240,18 @@ class SNGAN(keras.Model):
 
         Example:
             ```python
-            gan.sampler().save("generator.keras")
+            import dataclasses
+            import keras
+            import keras_replicator as kr
+            from keras_replicator.applications import sngan
+
+            strategy = kr.ReplicatorStrategy()
+            config = dataclasses.replace(sngan.CONFIGS["small16"], channels=1)
+            with strategy.scope():
+                gan = sngan.SNGAN(sngan.generator(config, 10), sngan.discriminator(config, 10),
+                                  num_classes=10, ema_decay=0.999)
+            gan.sampler().save("generator.keras")          # the EMA weights (trained: after gan.fit)
+            generator = keras.models.load_model("generator.keras")
             ```
         """
         if not self.ema_weights:

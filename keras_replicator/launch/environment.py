@@ -1,0 +1,10 @@
+"""The environment variables the launcher sets in every worker it starts."""
+
+# Read by ReplicatorStrategy (through cluster.py) at creation: simulate this many
+# CPU devices per worker. The launcher sets it for --devices-per-worker.
+DEVICES_PER_WORKER_ENV = "KERAS_REPLICATOR_DEVICES_PER_WORKER"
+# Set for each launched worker: its index, so scripts and logs can tell them apart.
+WORKER_INDEX_ENV = "KERAS_REPLICATOR_WORKER_INDEX"
+# Set for each launched worker: 0 at the first start, k at the k-th restart (--max-restarts).
+RESTART_COUNT_ENV = "KERAS_REPLICATOR_RESTART_COUNT"
+

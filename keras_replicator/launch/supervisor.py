@@ -1,0 +1,358 @@
+"""Process supervision: start, wait for, stop and restart the local worker processes of a job.
+
+The model is torch's ``elastic/multiprocessing`` (start / wait / close) with
+one restart policy: `RestartPolicy` says what a failure leads to, and
+`Supervisor` carries it out (a task restarted alone, the job going on without a
+worker, every local task restarted, or the job ended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
+
+from keras_replicator._validation import check_int
+from keras_replicator.launch.addresses import tf_config
+from keras_replicator.launch.environment import (
+    DEVICES_PER_WORKER_ENV,
+    RESTART_COUNT_ENV,
+    WORKER_INDEX_ENV,
+)
+
+Task = tuple[str, int]  # (job, index): ("worker", 1), ("chief", 0), ("ps", 0)
+
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_TAIL_LINES = 20
+
+
+def _exit_code(returncode: int) -> int:
+    """A process's return code as a shell reports it (128 + signal when killed)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Action(enum.Enum):
+    """What a task's failure leads to (see `RestartPolicy`)."""
+
+    RESTART_TASK = "restart the task alone"
+    GO_ON = "go on without the task"
+    RESTART_JOB = "restart every local task"
+    END = "end the job"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """The one place that decides what happens when a task fails.
+
+    A synchronous job (every task a ``worker``) cannot lose a worker: its
+    collectives need them all, so the whole job is restarted while
+    ``max_restarts`` allows (``keras.callbacks.BackupAndRestore`` resumes it),
+    then ended. A parameter-server job (``chief`` + ``worker`` + ``ps``) can:
+    TensorFlow's coordinator runs a lost worker's steps on the others, so a
+    failed worker is restarted alone (as Kubernetes' ``restartPolicy:
+    OnFailure``; it rejoins the coordinator) while ``max_restarts`` allows for
+    it, and the job goes on without it afterwards. The chief (the coordinator)
+    and the parameter servers (the variables) cannot be lost: their failure
+    ends the job.
+
+    Example:
+        ```python
+        from keras_replicator.launch import RestartPolicy
+        policy = RestartPolicy(max_restarts=1, parameter_servers=True)
+        policy.after_failure(("worker", 1), task_restarts=0, job_restarts=0)  # Action.RESTART_TASK
+        policy.after_failure(("worker", 1), task_restarts=1, job_restarts=0)  # Action.GO_ON
+        policy.after_failure(("ps", 0), task_restarts=0, job_restarts=0)      # Action.END
+        ```
+
+    Args:
+        max_restarts: restarts of the job (synchronous), or of each worker
+            (parameter-server job).
+        parameter_servers: whether the job is a parameter-server job.
+    """
+
+    max_restarts: int = 0
+    parameter_servers: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_restarts", self.max_restarts, minimum=0)
+
+    def after_failure(self, task: Task, task_restarts: int, job_restarts: int) -> Action:
+        """What to do when ``task`` failed, after ``task_restarts`` of it and ``job_restarts`` of the job."""
+        if not self.parameter_servers:
+            return Action.RESTART_JOB if job_restarts < self.max_restarts else Action.END
+        if task[0] != "worker":
+            return Action.END
+        return Action.RESTART_TASK if task_restarts < self.max_restarts else Action.GO_ON
+
+
+class _Signals:
+    """While active (in the main thread), SIGINT, SIGTERM and SIGHUP are recorded, not fatal."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in _FORWARDED_SIGNALS:
+                self._previous[s] = signal.signal(s, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class Console:
+    """The launcher's output: worker lines and its own ``[launcher]`` messages, one writer at a time."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            self.out.write(f"[launcher] {message}\n")
+            self.out.flush()
+
+
+class _Worker:
+    """One task's process, the thread copying its output, and its last lines."""
+
+    def __init__(self, task: Task, process: subprocess.Popen, echo: bool, console: Console,
+                 log: TextIO | None):
+        self.task, self.process, self.echo = task, process, echo
+        self.name = f"{task[0]} {task[1]}"
+        self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
+        self._console, self._log = console, log
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        prefix = f"[{self.name}] "
+        stream = self.process.stdout
+        for line in iter(stream.readline, ""):
+            line = line if line.endswith("\n") else line + "\n"
+            self.tail.append(line)
+            with self._console.lock:
+                if self._log is not None:
+                    self._log.write(line)
+                    self._log.flush()
+                if self.echo:
+                    self._console.out.write(prefix + line)
+                    self._console.out.flush()
+        stream.close()
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)  # the worker's session: it and its children
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def print_tail(self) -> None:
+        """Prints the last lines of a task whose output was not echoed."""
+        if self.echo:
+            return
+        self.thread.join(timeout=5)
+        with self._console.lock:
+            self._console.out.write(f"[launcher] the last lines of {self.name}:\n")
+            self._console.out.writelines(f"[{self.name}] {line}" for line in self.tail)
+            self._console.out.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What every local task runs, and the environment it gets besides its ``TF_CONFIG``.
+
+    Args:
+        command: the interpreter and script (or ``-m module``) with its arguments.
+        env: the base environment.
+        devices_per_worker: ``KERAS_REPLICATOR_DEVICES_PER_WORKER``, if set.
+        gpus_of: ``CUDA_VISIBLE_DEVICES`` of the tasks that get GPUs.
+        tee: whose output is printed: ``"all"``, ``"chief"`` or ``"none"``.
+        logs: an open log file per task.
+    """
+
+    command: Sequence[str]
+    env: Mapping[str, str]
+    devices_per_worker: int | None = None
+    gpus_of: Mapping[Task, str] = dataclasses.field(default_factory=dict)
+    tee: str = "all"
+    logs: Mapping[Task, TextIO] = dataclasses.field(default_factory=dict)
+
+
+class Supervisor:
+    """Starts the local tasks of a job, waits for them, stops them, restarts them by `RestartPolicy`.
+
+    SIGINT, SIGTERM and SIGHUP sent to the launcher meanwhile are forwarded to
+    every task; the supervisor waits for them (SIGKILL after ``grace`` seconds,
+    or at once on a second signal) and never returns before them.
+
+    Example:
+        ```python
+        import sys
+        from keras_replicator.launch.supervisor import Console, RestartPolicy, Supervisor, WorkerSpec
+        spec = WorkerSpec([sys.executable, "-c", "print('hi')"], env={})
+        supervisor = Supervisor(spec, [("worker", 0)], RestartPolicy(), Console(sys.stdout))
+        supervisor.run(lambda: {"worker": ["127.0.0.1:2222"]})   # 0, after "[worker 0] hi"
+        ```
+    """
+
+    def __init__(self, spec: WorkerSpec, tasks: Sequence[Task], policy: RestartPolicy,
+                 console: Console, grace: float = 5.0, timeout: float | None = None):
+        self.spec, self.tasks, self.policy, self.console = spec, list(tasks), policy, console
+        self.grace, self.timeout = grace, timeout
+        self.chief: Task = ("chief", 0) if policy.parameter_servers else ("worker", 0)
+        self._workers: list[_Worker] = []
+        self._cluster: dict[str, list[str]] = {}
+        self._signals = _Signals()
+
+    def run(self, cluster: Callable[[], dict[str, list[str]]]) -> int:
+        """Runs the job to its end, restarting it as the policy says; its exit code.
+
+        Args:
+            cluster: the cluster of a start of the job (called once per start).
+
+        Returns:
+            0 when the job succeeded, else the first failure's exit code of the
+            last start (128 + N for a task killed by signal N), 128 + N when
+            the launcher got signal N, 124 on timeout.
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        with self._signals:
+            for attempt in range(self.policy.max_restarts + 1):
+                if attempt:
+                    self.console.say(f"restarting every worker (restart {attempt} of {self.policy.max_restarts})")
+                    for f in self.spec.logs.values():
+                        f.write(f"[launcher] restart {attempt} of {self.policy.max_restarts}\n")
+                try:
+                    self.start(cluster(), attempt)
+                    code, action = self.wait(attempt, deadline)
+                finally:  # also on an unexpected error: never leave workers behind
+                    self.stop(signal.SIGTERM)
+                if action is not Action.RESTART_JOB:
+                    break
+        return code
+
+    def start(self, cluster: dict[str, list[str]], restart: int = 0) -> None:
+        """Starts every local task in ``cluster``."""
+        self._workers = [self._start(cluster, task, restart) for task in self.tasks]
+        self._cluster = cluster
+
+    def _start(self, cluster: dict[str, list[str]], task: Task, restart: int) -> _Worker:
+        job, index = task
+        env = dict(self.spec.env)
+        env.update(TF_CONFIG=tf_config(cluster, index, job), PYTHONUNBUFFERED="1",
+                   **{RESTART_COUNT_ENV: str(restart)})
+        if job == "worker":
+            env[WORKER_INDEX_ENV] = str(index)
+        if self.spec.devices_per_worker is not None:
+            env[DEVICES_PER_WORKER_ENV] = str(self.spec.devices_per_worker)
+        if task in self.spec.gpus_of:
+            env["CUDA_VISIBLE_DEVICES"] = self.spec.gpus_of[task]
+        process = subprocess.Popen(
+            list(self.spec.command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: signalled as a whole
+        )
+        echo = self.spec.tee == "all" or (self.spec.tee == "chief" and task == self.chief)
+        return _Worker(task, process, echo, self.console, self.spec.logs.get(task))
+
+    def wait(self, attempt: int = 0, deadline: float | None = None) -> tuple[int, Action]:
+        """Waits until the started tasks end the job; its exit code and what the policy says next."""
+        restarts = dict.fromkeys(self.tasks, 0)  # per-task restarts (parameter-server jobs)
+        lost: set[Task] = set()  # workers a parameter-server job goes on without
+        while True:
+            if self._signals.received:
+                signum = self._signals.received[0]
+                self.console.say(f"got {signal.Signals(signum).name}: forwarding it to every worker "
+                                 f"(SIGKILL after {self.grace:g} s or on a second signal)")
+                self.stop(signum)
+                self.console.say("every worker has exited")
+                return 128 + signum, Action.END
+            if self.policy.parameter_servers and self._workers[0].process.poll() == 0:
+                self.console.say("the chief finished; stopping the workers and ps tasks")
+                return 0, Action.END  # the coordinator finished: the job is done
+            for w in [w for w in self._workers if w.process.poll() not in (None, 0) and w.task not in lost]:
+                code = _exit_code(w.process.returncode)
+                action = self.policy.after_failure(w.task, restarts[w.task], attempt)
+                if action is Action.RESTART_TASK:
+                    restarts[w.task] += 1
+                    self.console.say(f"{w.name} exited with code {code}; restarting it (restart "
+                                     f"{restarts[w.task]} of {self.policy.max_restarts})")
+                    self._restart(w, restarts[w.task])
+                    continue
+                if action is Action.GO_ON and len(lost) + 1 < sum(t[0] == "worker" for t in self.tasks):
+                    lost.add(w.task)
+                    self.console.say(f"{w.name} exited with code {code}; the job goes on without it "
+                                     "(the chief runs its steps on the other workers)")
+                    w.print_tail()
+                    continue
+                self.console.say(f"{w.name} exited with code {code}; stopping the others"
+                                 + _why_the_job_ends(w.task, self.policy, action))
+                self.stop(signal.SIGTERM)
+                w.print_tail()
+                return code, action
+            if all(w.process.poll() is not None for w in self._workers):
+                return 0, Action.END
+            if deadline is not None and time.monotonic() > deadline:
+                self.console.say(f"timeout after {self.timeout:g} s; stopping every worker")
+                self.stop(signal.SIGTERM)
+                return 124, Action.END
+            time.sleep(0.05)
+
+    def _restart(self, w: _Worker, restart: int) -> None:
+        """Restarts one task alone, at the same address (the others keep running)."""
+        w.print_tail()
+        w.signal_group(signal.SIGKILL)  # anything it left behind
+        w.thread.join(timeout=5)
+        self._workers[self._workers.index(w)] = self._start(self._cluster, w.task, restart)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Sends ``signum`` to every live task, waits up to ``grace`` s, then SIGKILLs what is left.
+
+        A further signal to the launcher during the grace period kills at once.
+        Returns only when every task has exited and been reaped.
+        """
+        workers = self._workers
+        for w in workers:
+            if w.process.poll() is None:
+                w.signal_group(signum)
+        seen = len(self._signals.received)
+        deadline = time.monotonic() + self.grace
+        while any(w.process.poll() is None for w in workers):
+            if time.monotonic() > deadline or len(self._signals.received) > seen:
+                break
+            time.sleep(0.02)
+        for w in workers:
+            # Also the children a worker left behind in its session (its group outlives it).
+            w.signal_group(signal.SIGKILL)
+            w.process.wait()
+        for w in workers:
+            w.thread.join(timeout=5)
+
+
+def _why_the_job_ends(task: Task, policy: RestartPolicy, action: Action) -> str:
+    """The reason a parameter-server job ends on ``task``'s failure, for the launcher's message."""
+    if not policy.parameter_servers:
+        return ""
+    if task[0] == "ps":
+        return " (a parameter-server job cannot go on without a parameter server: its variables are lost)"
+    if task[0] == "chief":
+        return " (the chief is the coordinator: the job cannot go on without it)"
+    return " (no worker is left)"
