@@ -255,7 +255,13 @@ def class_diversity(
 
     Example:
         ```python
-        ratios = class_diversity(samples, asked, x, y)   # one ratio per class
+        from keras_replicator.applications import sngan
+
+        x, y = sngan.digits(16)                       # real digits, 16x16, in [-1, 1]
+        collapsed = np.repeat(x[y == 3][:1], 20, 0)   # 20 copies of one "3"
+        samples = np.concatenate([x[y == c][100:120] for c in range(10) if c != 3] + [collapsed])
+        asked = np.concatenate([np.full(20, c) for c in range(10) if c != 3] + [np.full(20, 3)])
+        ratios = class_diversity(samples, asked, x, y)   # one ratio per class: about 1, and 0 for 3
         worst = ratios.min()
         ```
     """
