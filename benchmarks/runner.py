@@ -144,7 +144,7 @@ def _train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ex
             "global_batch": batches.get(model, 64 if model.startswith("resnet50") else 128),
             "steps_per_execution": 1, **steps,
             # Every window a new epoch (one fit call), as users train: each pays what Keras
-            # does between epochs, where the stall of issue 21 was (docs/performance.md).
+            # does between epochs, where the stall of every epoch was (docs/performance.md).
             "epoch_per_window": True}
     spec.update(extra)
     return spec
@@ -192,6 +192,14 @@ def plan(settings: Settings, env: dict[str, Any]) -> list[Config]:
                 configs.append(Config("training",
                                       {"model": model, "strategy": strategy, "devices": devices},
                                       _train_spec(model, strategy, devices, s), rounds,
+                                      group=f"{model}/{devices}"))
+            if isinstance(devices, int):
+                # The replica-work reference, in the same group: one device doing the K
+                # replicas' work (K steps at B / K per step), none of replication's costs.
+                configs.append(Config("training",
+                                      {"model": model, "strategy": "reference", "devices": devices},
+                                      _train_spec(model, "reference", devices, s,
+                                                  reference_replicas=devices), rounds,
                                       group=f"{model}/{devices}"))
             if model == "cnn":
                 configs.append(Config("steps_per_execution",
