@@ -4,7 +4,9 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
 
 * `TensorFlowTrainer._maybe_symbolic_build`: builds from replica 0's slice
   (not an element-wise mean of the slices), and not at all for a model without
-  `call()` (keras-io's GAN style), as Keras does without a strategy;
+  `call()` (keras-io's GAN style), as Keras does without a strategy; from the
+  dataset's `element_spec` rather than a batch read eagerly, without tracing a
+  built functional model again, and not at all once everything is built;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
 * `TensorFlowTrainer.fit` / `evaluate` / `predict` / `*_on_batch`: one wrapper that
@@ -135,6 +137,14 @@ def _patch_symbolic_build() -> None:
     (a GAN written as keras-io's guides do: only `train_step`) cannot be built
     symbolically at all; without a strategy Keras skips this build and the
     model builds when the step is traced: we do the same.
+
+    Speed: Keras reads that batch at every `fit`/`evaluate` call (a distributed
+    iterator with its per-replica pipelines, made and dropped) and traces the whole
+    forward pass once more, only to build the loss and metrics. We build from
+    replica 0's `TensorSpec`s (`_replica_element_spec`), take a built functional
+    model's output specs from its outputs (`_build_from_spec`), and skip it all when
+    nothing needs data to build (every call after the first). A model the specs
+    cannot build (a failure there) gets the batch, as before.
     """
     cls = tf_trainer.TensorFlowTrainer
     original = cls._maybe_symbolic_build
