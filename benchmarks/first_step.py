@@ -188,11 +188,11 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"{r['error'].splitlines()[0][:80]} | | | | | | | |")
                 continue
             ratio = f"{r['first_step'] / one['first_step']:.2f}x" if one else "n/a"
+            cpu = (", ".join(f"{r[k]:.1f}" for k in ("prepare_cpu", "trace_cpu", "first_call_cpu"))
+                   if "trace_cpu" in r else "n/a")
             lines.append(f"| {model} | {name} | {r['replicas']} | {r['prepare']:.1f} | {r['trace']:.1f} "
                          f"| {r['first_call']:.1f} | {r['grappler']:.1f} | **{r['first_step']:.1f}** "
-                         f"| {ratio} | {r['step']:.2f} "
-                         f"| {r.get('prepare_cpu', 0):.1f}, {r.get('trace_cpu', 0):.1f}, "
-                         f"{r.get('first_call_cpu', 0):.1f} |")
+                         f"| {ratio} | {r['step']:.2f} | {cpu} |")
     return "\n".join(lines) + "\n"
 
 
