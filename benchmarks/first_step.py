@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "environment": f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, "
-                                          f"Python {platform.python_version()}",
+                                          f"Python {platform.python_version()}; configurations one after the other",
                            "models": args.models, "results": []}
     for model in args.models:
         for strategy, k in [("one", 1)] + [("ours", k) for k in args.replicas]:
