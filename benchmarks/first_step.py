@@ -174,7 +174,7 @@ def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -
 def markdown(doc: dict[str, Any]) -> str:
     """The table of a run: seconds per phase, and the first step against one device's."""
     lines = [f"Time to the first `fit` step (s), {doc['date']}, {doc['environment']}; "
-             "one fresh process per row, run one after the other.", "",
+             "one fresh process per row.", "",
              "| model | strategy | replicas | prepare | trace | first call | of which Grappler "
              "| first step | / one device | steady step | CPU s: prepare, trace, first call |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
