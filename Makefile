@@ -30,11 +30,13 @@ docs: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) -m tests.notebooks publish
 
-# Speed against stock TensorFlow and one device (small CNN, ResNet-50, the small SN-GAN on 4
-# devices, all-reduce, batch norm, two workers); then the asynchronous regime (2 workers + 1 ps
+# Speed against stock TensorFlow, one device and the replica-work reference (small CNN, ResNet-50,
+# the small SN-GAN on 4 devices, all-reduce, batch norm, two workers); time to the first step
+# against replicas (ResNet-50, SN-GAN on 1, 2, 4, 8); then the asynchronous regime (2 workers + 1 ps
 # against the synchronous strategy, with and without a straggler) and D4PG's actors and learner.
 bench: $(STAMP)
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.first_step
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 

@@ -1,4 +1,4 @@
-"""Asynchronous vs synchronous throughput, with and without a straggler (issue 20).
+"""Asynchronous vs synchronous throughput, with and without a straggler.
 
 Runs the same small model for the same number of steps of the same per-worker batch:
 

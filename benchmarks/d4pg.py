@@ -27,6 +27,9 @@ import json, os, sys, time
 import numpy as np
 import keras_replicator as kr
 replicas = int(sys.argv[1]); windows = int(sys.argv[2]); steps = int(sys.argv[3])
+# reference > 1: the replica-work reference of that many replicas: one device running
+# `reference` updates at 256 / reference per update of the others (steps_per_execution).
+reference = int(sys.argv[4])
 kr.simulate_devices(replicas)
 import keras, tensorflow as tf
 from keras_replicator.applications import d4pg
@@ -34,37 +37,41 @@ strategy = kr.ReplicatorStrategy()
 with strategy.scope():
     keras.utils.set_random_seed(0)
     learner = d4pg.D4PGLearner.create(3, [-2.0], [2.0])
-    learner.compile()
+    learner.compile(steps_per_execution=reference)
 rng = np.random.default_rng(0)
-b = 256
+b = 256 // reference
 batch = {"observation": rng.normal(size=(b, 3)).astype("f4"),
          "action": rng.uniform(-2, 2, size=(b, 1)).astype("f4"),
          "reward": rng.normal(size=b).astype("f4"), "discount": np.full(b, 0.95, "f4"),
          "next_observation": rng.normal(size=(b, 3)).astype("f4")}
 ds = strategy.distribute_dataset(tf.data.Dataset.from_tensors(batch).repeat().unbatch(),
                                  global_batch_size=b)
-learner.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+learner.fit(ds, epochs=1, steps_per_epoch=10 * reference, verbose=0)
 print("READY", flush=True)
 for _ in range(windows):
     sys.stdin.readline()
     t = time.perf_counter()
-    learner.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    learner.fit(ds, epochs=1, steps_per_epoch=steps * reference, verbose=0)
     print("WINDOW", steps / (time.perf_counter() - t), flush=True)
 """
 
 
 def learner_throughput(replica_counts=(1, 2, 4), windows=5, steps=30) -> dict:
-    """Median updates/s per replica count; the processes take turns window by window."""
+    """Median updates/s per replica count, and of each count's replica-work reference
+    (key ``"reference K"``: one device doing K replicas' work, K updates at 256 / K per
+    update); all the processes take turns window by window."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     procs = {}
-    for k in replica_counts:
-        procs[k] = subprocess.Popen(
-            [sys.executable, "-c", LEARNER_CODE, str(k), str(windows), str(steps)],
+    configs = [(k, k, 1) for k in replica_counts] + [
+        (f"reference {k}", 1, k) for k in replica_counts if k > 1]
+    for key, k, reference in configs:
+        procs[key] = subprocess.Popen(
+            [sys.executable, "-c", LEARNER_CODE, str(k), str(windows), str(steps), str(reference)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     for p in procs.values():
         while (line := p.stdout.readline()) and not line.startswith("READY"):
             pass
-    rates = {k: [] for k in replica_counts}
+    rates = {key: [] for key in procs}
     for _ in range(windows):
         for k, p in procs.items():
             p.stdin.write("\n")
@@ -124,9 +131,17 @@ def main(argv=None) -> int:
     for k, v in acting.items():
         lines.append(f"| {k} actor{'s' if k > 1 else ''} (Pendulum-v1) | {v:,.0f} env steps/s |")
     for k, v in learning.items():
+        if isinstance(k, str):
+            continue
         what = "1 device" if k == 1 else f"{k} simulated replicas"
+        ref = learning.get(f"reference {k}")
+        vs_ref = f", {v / ref:.2f}x its replica-work reference ({ref:.1f} updates/s)" if ref else ""
         lines.append(f"| learner, {what}, global batch 256 | {v:.1f} updates/s "
-                     f"({v / learning[min(learning)]:.2f}x one device) |")
+                     f"({v / learning[1]:.2f}x one device{vs_ref}) |")
+    lines.append("")
+    lines.append("A replica-work reference of K replicas is one device running K updates at "
+                 "batch 256 / K per update (`steps_per_execution=K`): the replicas' work with "
+                 "none of replication's costs, taking turns with the others.")
     lines.append("")
     lines.append(f"Measured by `python -m benchmarks.d4pg` in {result['seconds']:.0f} s on "
                  f"{os.cpu_count()} CPU cores.")

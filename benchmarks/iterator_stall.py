@@ -1,4 +1,4 @@
-"""Minimal reproduction of the iterator stall (issue 21), TensorFlow only: worth filing upstream.
+"""Minimal reproduction of the iterator stall (a new epoch waiting on tf.data autotuning threads), TensorFlow only: worth filing upstream.
 
 Dropping a tf.data iterator joins its autotuning thread (`RootDataset::Iterator`,
 "tf_data_model", running `model::Model::OptimizeLoop`). That thread sleeps for

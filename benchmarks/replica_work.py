@@ -1,4 +1,4 @@
-"""The best ratio to one device that K replicas sharing one CPU's cores can reach (issue 21).
+"""The best ratio to one device that K replicas sharing one CPU's cores can reach, with no replication cost at all.
 
 K replicas of a global batch B each run the whole model on B / K examples: every
 weight-sized part of a step (the weight gradients, the optimizer update of each

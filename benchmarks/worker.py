@@ -446,7 +446,7 @@ def build_model(name: str, batch_norm: str = "keras"):
 SNGAN_IMAGE_SIZE, SNGAN_N_DIS = 16, 1
 
 
-def _sngan(learning_rate: float = 2e-4):
+def _sngan(learning_rate: float = 2e-4, steps_per_execution: int = 1):
     """The small SN-GAN (``sngan.SNGAN``), compiled with its two Adam optimizers."""
     import dataclasses
 
@@ -460,7 +460,8 @@ def _sngan(learning_rate: float = 2e-4):
     gan = sngan.SNGAN(sngan.generator(config, NUM_CLASSES), sngan.discriminator(config, NUM_CLASSES),
                       num_classes=NUM_CLASSES, n_dis=SNGAN_N_DIS, ema_decay=None)
     gan.compile(d_optimizer=sngan.default_optimizer(learning_rate),
-                g_optimizer=sngan.default_optimizer(learning_rate))
+                g_optimizer=sngan.default_optimizer(learning_rate),
+                steps_per_execution=steps_per_execution)
     return gan
 
 
@@ -502,7 +503,9 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     """``model.fit`` throughput in examples/s over timed windows after warm-up.
 
     Spec: ``model`` (``sngan``: the small SN-GAN, each step one generator update
-    on ``global_batch`` examples, see ``_sngan``; else ``build_model``'s), ``strategy`` (``one`` | ``stock`` | ``ours``), ``devices``,
+    on ``global_batch`` examples, see ``_sngan``; else ``build_model``'s), ``strategy`` (``one`` | ``stock`` | ``ours``
+    | ``reference``: one device running ``reference_replicas`` steps at ``global_batch /
+    reference_replicas`` per step of the others, in one call), ``devices``,
     ``global_batch``, ``steps_per_execution``, ``batch_norm``, ``warmup_steps``,
     ``windows``, ``window_steps`` (steps counts are multiples of
     ``steps_per_execution``), ``epoch_per_window`` (each window its own ``fit``
@@ -511,24 +514,28 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     stdin before the next, so that the runner can alternate the timed windows
     of several processes (``runner.run_group``).
     """
-    _setup_devices(spec["devices"])
+    # The replica-work reference of K replicas: one device, no strategy, K steps at B / K
+    # per step of the others (one call of `steps_per_execution=K`: the work of K replicas,
+    # with none of replication's costs; see benchmarks/replica_work.py).
+    reference = int(spec.get("reference_replicas", 1)) if spec["strategy"] == "reference" else 1
+    _setup_devices(1 if reference > 1 else spec["devices"])
     import keras
 
     spe = int(spec.get("steps_per_execution", 1))
     batch = int(spec["global_batch"])
     strategy = None
-    if spec["strategy"] != "one":
+    if spec["strategy"] not in ("one", "reference"):
         strategy = _make_strategy(spec["strategy"], _device_names(spec["devices"]),
                                   spec.get("cross_device_ops"))
 
     def build_and_compile():
         if spec["model"] == "sngan":
-            return _sngan()
+            return _sngan(steps_per_execution=spe * reference)
         model = build_model(spec["model"], spec.get("batch_norm", "keras"))
         model.compile(
             keras.optimizers.SGD(0.01, momentum=0.9),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=spe,
+            steps_per_execution=spe * reference,
             jit_compile=bool(spec.get("jit_compile", False)),
         )
         return model
@@ -551,18 +558,19 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
                 self.model.stop_training = True
 
     t0 = time.perf_counter()
-    dataset = (_sngan_dataset if spec["model"] == "sngan" else _synthetic_dataset)(batch)
+    dataset = (_sngan_dataset if spec["model"] == "sngan" else _synthetic_dataset)(batch // reference)
     if spec.get("epoch_per_window"):
         # Each timed window is one `fit` call (an epoch), as users train: Keras then makes a new
         # iterator over the distributed dataset and drops the last one, and that time (the
-        # stall of issue 21, which TensorFlow's defaults pay there) falls in the window.
+        # stall at every epoch, which TensorFlow's defaults pay there) falls in the window.
         ticks = [clock.warmup_ticks] + [clock.ticks_per_window] * spec["windows"]
         for n in ticks:
-            model.fit(dataset, epochs=1, steps_per_epoch=n * spe, callbacks=[Clock()], verbose=0)
+            model.fit(dataset, epochs=1, steps_per_epoch=n * spe * reference, callbacks=[Clock()],
+                      verbose=0)
             if clock.stopped:
                 break
     else:
-        model.fit(dataset, epochs=1, steps_per_epoch=clock.total_ticks * spe,
+        model.fit(dataset, epochs=1, steps_per_epoch=clock.total_ticks * spe * reference,
                   callbacks=[Clock()], verbose=0)
     fit_seconds = time.perf_counter() - t0
     samples = clock.samples(batch * spe)
@@ -572,6 +580,7 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
         "step_ms": 1000.0 * batch / throughput,
         "samples": samples,
         "replicas": 1 if strategy is None else strategy.num_replicas_in_sync,
+        "reference_replicas": reference,
         "cross_device_ops": "none" if strategy is None else _describe_cross_device_ops(strategy),
         "parameters": int(model.count_params()),
         "build_seconds": build_seconds,

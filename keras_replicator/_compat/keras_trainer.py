@@ -4,7 +4,9 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
 
 * `TensorFlowTrainer._maybe_symbolic_build`: builds from replica 0's slice
   (not an element-wise mean of the slices), and not at all for a model without
-  `call()` (keras-io's GAN style), as Keras does without a strategy;
+  `call()` (keras-io's GAN style), as Keras does without a strategy; from the
+  dataset's `element_spec` rather than a batch read eagerly, without tracing a
+  built functional model again, and not at all once everything is built;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
 * `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
 * `TFEpochIterator._enumerate_iterator`: after `BackupAndRestore` restored a backup
@@ -57,6 +59,63 @@ def _has_call(model) -> bool:
     return type(model).call is not keras.Model.call
 
 
+def _needs_data_to_build(model) -> bool:
+    """Whether `_symbolic_build` would read a batch (the checks of Keras 3.15's `Trainer._symbolic_build`)."""
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    compile_loss = getattr(model, "_compile_loss", None)
+    return (not all(layer.built for layer in model._flatten_layers())
+            or (compile_metrics is not None and not compile_metrics.built)
+            or (compile_loss is not None and not compile_loss.built))
+
+
+def _replica_element_spec(epoch_iterator):
+    """Replica 0's `TensorSpec`s of the distributed dataset behind Keras's epoch iterator, or None."""
+    from tensorflow.python.distribute import values
+
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def first(v):
+        return v._value_specs[0] if isinstance(v, values.PerReplicaSpec) else v
+
+    spec = tf.nest.map_structure(first, spec)
+    if not all(isinstance(v, tf.TensorSpec) for v in tf.nest.flatten(spec)):
+        return None  # ragged, sparse, optional: read a batch as before
+    return spec
+
+
+def _build_from_spec(model, spec) -> None:
+    """Keras's `_symbolic_build` from replica 0's `TensorSpec`s, without tracing a built model.
+
+    Keras traces the whole forward pass once more (`compute_output_spec` of the
+    model) to get `y_pred`'s shape for the loss and metrics, even when every layer
+    is built; for a built functional model we take `y_pred` from its output
+    tensors instead (measured: most of the time before `fit`'s first step on a
+    ResNet-50). Other models get Keras's own build, from the specs.
+    """
+    from keras.src import backend
+    from keras.src.models.functional import Functional
+
+    layers_built = all(layer.built for layer in model._flatten_layers())
+    if not (layers_built and isinstance(model, Functional)):
+        model._symbolic_build(data_batch=spec)
+        return
+    data = tf.nest.map_structure(lambda v: keras.KerasTensor(v.shape, v.dtype.name), spec)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    batch = tf.nest.flatten(x)[0].shape[0]
+    y_pred = tf.nest.map_structure(lambda o: keras.KerasTensor((batch, *o.shape[1:]), o.dtype),
+                                   model._outputs_struct)
+    if model._compile_metrics is not None and not model._compile_metrics.built:
+        backend.compute_output_spec(model.compute_metrics, x, y, y_pred, sample_weight=sample_weight)
+    if model._compile_loss is not None and not model._compile_loss.built:
+        backend.compute_output_spec(model._compute_loss, x, y, y_pred, sample_weight=sample_weight,
+                                    training=False)
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+
+
 def _symbolic_build_from_first_replica(original):
     """`TensorFlowTrainer._maybe_symbolic_build`. Why: `_maybe_symbolic_build` builds the model from one distributed batch by
     `strategy.reduce("MEAN", batch, axis=None)`: an element-wise mean of every
@@ -68,6 +127,14 @@ def _symbolic_build_from_first_replica(original):
     (a GAN written as keras-io's guides do: only `train_step`) cannot be built
     symbolically at all; without a strategy Keras skips this build and the
     model builds when the step is traced: we do the same.
+
+    Speed: Keras reads that batch at every `fit`/`evaluate` call (a distributed
+    iterator with its per-replica pipelines, made and dropped) and traces the whole
+    forward pass once more, only to build the loss and metrics. We build from
+    replica 0's `TensorSpec`s (`_replica_element_spec`), take a built functional
+    model's output specs from its outputs (`_build_from_spec`), and skip it all when
+    nothing needs data to build (every call after the first). A model the specs
+    cannot build (a failure there) gets the batch, as before.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -76,12 +143,20 @@ def _symbolic_build_from_first_replica(original):
             return original(self, iterator=iterator, data_batch=data_batch)
         if not _has_call(self):
             return None
-        if iterator is not None:
-            for _, _, it in iterator:
-                batch = next(it)
-                data_batch = tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch)
-                break
         with strategy.scope():
+            if _needs_data_to_build(self) and iterator is not None:
+                spec = _replica_element_spec(iterator)
+                if spec is not None:
+                    try:
+                        _build_from_spec(self, spec)
+                        return None
+                    except Exception:  # a model that needs a concrete batch: as before
+                        pass
+                for _, _, it in iterator:
+                    batch = next(it)
+                    data_batch = tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch)
+                    break
+            # Nothing left to build from data (a later fit, evaluate): no batch is read.
             self._symbolic_build(data_batch=data_batch)
 
     return _maybe_symbolic_build

@@ -1,0 +1,274 @@
+"""Time to the first training step against the number of replicas.
+
+``python -m benchmarks.first_step [--models resnet50 sngan] [--replicas 1 2 4 8]``
+
+For each model and replica count, a fresh interpreter (the simulated device
+count is fixed when TensorFlow starts) builds and compiles the model and runs
+``model.fit`` for 2 steps, timing where the first step's time goes:
+
+* ``prepare``: from ``fit``'s call to the first call of its train function
+  (Keras's data adapter, the symbolic build of the model, the callbacks);
+* ``trace``: Python tracing of the train function (``get_concrete_function``);
+* ``first_call``: the first call of the traced function: graph optimisation
+  (Grappler), partitioning over the devices, creating the kernels, and the step;
+* ``grappler``: the part of it (and of the input pipeline's functions) spent in
+  Grappler's passes, summed from TensorFlow's own log of them
+  (``TF_CPP_VMODULE=meta_optimizer=1``), with the largest passes named;
+* ``step``: the second step (a steady step), so that ``first_call - grappler -
+  step`` is what instantiating the function costs besides optimising it.
+
+Each phase is also timed in the process's CPU seconds (``*_cpu``), which a
+loaded machine changes much less than wall time (tracing and Grappler run on
+one thread).
+
+``first_step`` is ``prepare + trace + first_call``: what a user waits between
+``fit`` and its first step (the model's build and compile, ``build``, come before).
+Configurations: one device without a strategy, and ``ReplicatorStrategy`` on
+each replica count (simulated CPU devices). Writes ``first_step.json`` and
+``first_step.md`` to the output directory and the plot to ``docs/assets/first_step.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.worker import RESULT_PREFIX, ROOT
+
+OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
+DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "first_step.png")
+GLOBAL_BATCH = {"resnet50": 64, "sngan": 32, "cnn": 128}
+_PASS = re.compile(r"meta_optimizer\.cc:\d+\] ([\w-]+)(?:\{.*\})?: Graph size after: .*time = ([\d.]+)ms")
+_ITEM = re.compile(r"Starting optimization for grappler item: (\S+)")
+
+
+def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Seconds in Grappler's passes in a TensorFlow log: the total, per pass and per function."""
+    per_pass: collections.Counter = collections.Counter()
+    per_item: collections.Counter = collections.Counter()
+    item = "?"
+    for line in log.splitlines():
+        found = _ITEM.search(line)
+        if found:
+            item = found.group(1)
+            continue
+        found = _PASS.search(line)
+        if found:
+            per_pass[found.group(1)] += float(found.group(2)) / 1000
+            per_item[item] += float(found.group(2)) / 1000
+    return sum(per_pass.values()), dict(per_pass), dict(per_item)
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """In the worker process: one model, one strategy, ``fit`` for 2 steps, timed by phase."""
+    from benchmarks.worker import (
+        _device_names,
+        _make_strategy,
+        _setup_devices,
+        _sngan,
+        _sngan_dataset,
+        _synthetic_dataset,
+        build_model,
+    )
+
+    _setup_devices(spec["replicas"])
+    import keras
+
+    strategy = None if spec["strategy"] == "one" else _make_strategy(
+        "ours", _device_names(spec["replicas"]))
+
+    def build():
+        if spec["model"] == "sngan":
+            return _sngan()
+        model = build_model(spec["model"])
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    t0 = time.perf_counter()
+    if strategy is None:
+        model = build()
+    else:
+        with strategy.scope():
+            model = build()
+    times: dict[str, float] = {"build": time.perf_counter() - t0}
+    batch = GLOBAL_BATCH[spec["model"]]
+    dataset = (_sngan_dataset if spec["model"] == "sngan" else _synthetic_dataset)(batch)
+    marks: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # the same marks in this process's CPU time
+    make = model.make_train_function
+
+    def make_train_function(force=False):
+        make(force)
+        function = model.train_function
+        # Keras 3.15 wraps its tf.function (multi_step_on_iterator) in a plain function.
+        traced = next(cell.cell_contents for cell in function.__closure__ or ()
+                      if hasattr(cell.cell_contents, "get_concrete_function"))
+
+        def timed(iterator):
+            if "trace" not in marks:
+                marks["called"], cpu["called"] = time.perf_counter(), time.process_time()
+                traced.get_concrete_function(iterator)
+                marks["trace"], cpu["trace"] = time.perf_counter(), time.process_time()
+                out = function(iterator)
+                marks["first_call"], cpu["first_call"] = time.perf_counter(), time.process_time()
+                return out
+            start = time.perf_counter()
+            out = function(iterator)
+            marks["step"] = time.perf_counter() - start
+            return out
+
+        model.train_function = timed
+        return timed
+
+    model.make_train_function = make_train_function
+
+    class FirstBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            marks.setdefault("first_batch_end", time.perf_counter())
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[FirstBatch()])
+    times.update(prepare=marks["called"] - t0, trace=marks["trace"] - marks["called"],
+                 first_call=marks["first_call"] - marks["trace"], step=marks["step"],
+                 first_step=marks["first_batch_end"] - t0,
+                 prepare_cpu=cpu["called"] - cpu0, trace_cpu=cpu["trace"] - cpu["called"],
+                 first_call_cpu=cpu["first_call"] - cpu["trace"])
+    return {"model": spec["model"], "strategy": spec["strategy"], "replicas": spec["replicas"],
+            "global_batch": batch, **times}
+
+
+def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -> dict[str, Any]:
+    """Runs :func:`run_one` in a fresh interpreter with Grappler's log on; adds its figures."""
+    spec = {"model": model, "strategy": strategy, "replicas": replicas}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="meta_optimizer=1",
+               PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.pop("KR_TEST_DEVICES", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.first_step", "--worker", json.dumps(spec)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(spec, error=f"timed out after {timeout:.0f} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        return dict(spec, error=f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    total, per_pass, per_item = grappler_seconds(proc.stderr)
+    result["grappler"] = total
+    result["grappler_passes"] = {k: round(v, 3) for k, v in
+                                 sorted(per_pass.items(), key=lambda kv: -kv[1])[:6]}
+    result["grappler_functions"] = {k: round(v, 3) for k, v in
+                                    sorted(per_item.items(), key=lambda kv: -kv[1])[:3]}
+    result["instantiate"] = result["first_call"] - min(result["first_call"], total) - result["step"]
+    return result
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table of a run: seconds per phase, and the first step against one device's."""
+    lines = [f"Time to the first `fit` step (s), {doc['date']}, {doc['environment']}; "
+             "one fresh process per row.", "",
+             "| model | strategy | replicas | prepare | trace | first call | of which Grappler "
+             "| first step | / one device | steady step | CPU s: prepare, trace, first call |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for model in doc["models"]:
+        rows = [r for r in doc["results"] if r["model"] == model]
+        one = next((r for r in rows if r["strategy"] == "one" and "error" not in r), None)
+        for r in rows:
+            name = "one device" if r["strategy"] == "one" else "ours"
+            if "error" in r:
+                lines.append(f"| {model} | {name} | {r['replicas']} | failed: "
+                             f"{r['error'].splitlines()[0][:80]} | | | | | | | |")
+                continue
+            ratio = f"{r['first_step'] / one['first_step']:.2f}x" if one else "n/a"
+            cpu = (", ".join(f"{r[k]:.1f}" for k in ("prepare_cpu", "trace_cpu", "first_call_cpu"))
+                   if "trace_cpu" in r else "n/a")
+            lines.append(f"| {model} | {name} | {r['replicas']} | {r['prepare']:.1f} | {r['trace']:.1f} "
+                         f"| {r['first_call']:.1f} | {r['grappler']:.1f} | **{r['first_step']:.1f}** "
+                         f"| {ratio} | {r['step']:.2f} | {cpu} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Stacked bars per replica count: prepare, trace, Grappler, the rest of the first call."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = doc["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    parts = [("prepare", "prepare (Keras)"), ("trace", "Python tracing"),
+             ("grappler", "Grappler"), ("rest", "instantiate + run")]
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in doc["results"] if r["model"] == model and "error" not in r]
+        labels = ["1 (no strategy)" if r["strategy"] == "one" else str(r["replicas"]) for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, label in parts:
+            values = [r["first_call"] - min(r["first_call"], r["grappler"]) if key == "rest"
+                      else (min(r["first_call"], r["grappler"]) if key == "grappler" else r[key])
+                      for r in rows]
+            ax.bar(labels, values, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_title(f"{model}, global batch {GLOBAL_BATCH[model]}")
+        ax.set_xlabel("replicas (simulated CPU devices)")
+        ax.set_ylabel("seconds to the first step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet50", "sngan"], choices=sorted(GLOBAL_BATCH))
+    parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--output-dir", default=OUTPUT_DIR)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(RESULT_PREFIX + json.dumps(run_one(json.loads(args.worker))), flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # skip the interpreter's teardown (see benchmarks/worker.py)
+    if any(k < 1 for k in args.replicas):
+        parser.error("--replicas must be at least 1")
+    import platform
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "environment": f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, "
+                                          f"Python {platform.python_version()}; configurations one after the other",
+                           "models": args.models, "results": []}
+    for model in args.models:
+        for strategy, k in [("one", 1)] + [("ours", k) for k in args.replicas]:
+            result = measure(model, strategy, k)
+            doc["results"].append(result)
+            print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v)
+                              for key, v in result.items()}), flush=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "first_step.json"), "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    table = markdown(doc)
+    with open(os.path.join(args.output_dir, "first_step.md"), "w") as f:
+        f.write(table)
+    plot_path = os.path.join(args.output_dir, "first_step.png")
+    plot(doc, plot_path)
+    if os.path.abspath(args.output_dir) == os.path.abspath(OUTPUT_DIR):
+        import shutil
+
+        os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
+        shutil.copyfile(plot_path, DOCS_PLOT)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
