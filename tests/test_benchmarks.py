@@ -351,8 +351,8 @@ def test_all_reduce_target_reads_several_per_call_and_shows_one_per_call():
 
 
 def test_the_sngan_group_is_one_device_stock_and_ours_on_the_largest_device_count():
-    """The default full run has an SN-GAN group on 4 devices only (one device, stock and
-    ours taking turns), its global batch that of the SN-GAN learning check."""
+    """The default full run has an SN-GAN group on 4 devices only (one device, stock, ours
+    and the replica-work reference taking turns), its global batch that of the SN-GAN learning check."""
     from benchmarks import runner
 
     settings = runner.Settings.for_mode(False)
@@ -361,7 +361,7 @@ def test_the_sngan_group_is_one_device_stock_and_ours_on_the_largest_device_coun
                if c.key.get("model") == "sngan"]
     assert [(c.section, c.key["strategy"], c.key["devices"], c.group) for c in configs] == [
         ("training", "one", 1, "sngan/4"), ("training", "stock", 4, "sngan/4"),
-        ("training", "ours", 4, "sngan/4")]
+        ("training", "ours", 4, "sngan/4"), ("training", "reference", 4, "sngan/4")]
     assert all(c.spec["global_batch"] == 32 and c.spec["epoch_per_window"] for c in configs)
     assert "sngan/4" in runner._EXPECTED_SECONDS
 
@@ -398,10 +398,13 @@ def test_sngan_table_gives_step_times_and_says_how_stock_fails():
 
     doc = {"training": [entry("one", 1, [100.0, 120.0, 110.0]),
                         entry("stock", 4, [400.0, 300.0, 350.0]),
-                        entry("ours", 4, [200.0, 150.0, 175.0])]}
+                        entry("ours", 4, [200.0, 150.0, 175.0]),
+                        # the replica-work reference: one device doing the 4 replicas' work
+                        entry("reference", 4, [160.0, 150.0, 155.0])]}
     table = "\n".join(report._gan_table(doc))
-    assert "| SN-GAN (16x16) | 4 CPU | 110.0 ms | 350.0 ms | 175.0 ms | **0.63x** | **2.00x** |" \
-        in table
+    # ours / reference, paired by window: median of 160/200, 150/150, 155/175 = 0.886
+    assert ("| SN-GAN (16x16) | 4 CPU | 110.0 ms | 350.0 ms | 175.0 ms | 155.0 ms | **0.63x** "
+            "| **2.00x** | **0.89x** |") in table
     assert report.targets(dict(doc, batch_norm=[], allreduce=[], steps_per_execution=[])) == []
     error = ("exit 1:\nTraceback (most recent call last):\n  ...\n"
              "tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error")
@@ -409,7 +412,7 @@ def test_sngan_table_gives_step_times_and_says_how_stock_fails():
                           "available": False, "error": error}
     table = "\n".join(report._gan_table(doc))
     assert "| fails: `tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph " \
-           "execution error` | 175.0 ms | **0.63x** | - |" in table
+           "execution error` | 175.0 ms | 155.0 ms | **0.63x** | - | **0.89x** |" in table
     failed = runner.Config("training", {"model": "sngan", "strategy": "stock", "devices": 4},
                            {"global_batch": 32}, errors=[error])
     crashed = runner.Config("training", {"model": "cnn", "strategy": "stock", "devices": 4},
