@@ -56,6 +56,14 @@ class _Record(keras.callbacks.Callback):
         if self.sigterm_at == (strategy.worker_index, self.epoch, batch):
             print(f"sending SIGTERM at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+            if strategy.num_workers > 1:
+                # TensorFlow's SIGTERM notifier polls its flag once a second, and this job's steps
+                # take milliseconds: under load the notice could arrive after the last step (fit
+                # would then just finish). Waiting until this worker has seen it makes the stop
+                # step independent of load: the step that is running now is the last one.
+                from keras_replicator._compat import preemption
+
+                assert preemption._cluster_watch.noticed.wait(60), "no preemption notice in 60 s"
         if self.silent:
             time.sleep(0.05)
 

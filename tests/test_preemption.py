@@ -136,6 +136,8 @@ def test_sigterm_to_one_worker_stops_both_after_the_same_step_and_the_launcher_r
                        r"epoch \d+), (saved to '[^']+')", output)
     assert sorted(w for w, *_ in stops) == ["0", "1"], output[-8000:]
     assert stops[0][1:] == stops[1][1:]  # the same step on both workers
+    # Seen at the end of step 4 (batch 3): the proposal is the next step, which a peer may have begun.
+    assert stops[0][1] == "step 5 of epoch 1"
     assert re.search(r"\[launcher\] worker \d exited with code 143", output), output[-8000:]
     assert "[launcher] restarting every worker (restart 1 of 1)" in output
     reference = _reference_weights()
