@@ -13,13 +13,18 @@ count is fixed when TensorFlow starts) builds and compiles the model and runs
   (Grappler), partitioning over the devices, creating the kernels, and the step;
 * ``grappler``: the part of it (and of the input pipeline's functions) spent in
   Grappler's passes, summed from TensorFlow's own log of them
-  (``TF_CPP_VMODULE=meta_optimizer=1``), with the largest passes named;
+  (``TF_CPP_VMODULE=meta_optimizer=1``), with the largest passes named. These are
+  the log's wall times: on a loaded machine they overstate Grappler's share (turning
+  the whole meta optimizer off for the train function saved about 5.5 CPU s of a
+  4-replica ResNet-50 first step whose log summed 31-59 s of passes);
 * ``step``: the second step (a steady step), so that ``first_call - grappler -
   step`` is what instantiating the function costs besides optimising it.
 
 Each phase is also timed in the process's CPU seconds (``*_cpu``), which a
 loaded machine changes much less than wall time (tracing and Grappler run on
-one thread).
+one thread), but still changes: threads that spin while they wait count too
+(ResNet-50's one-device first step measured 22.2 CPU s at load average 0.4,
+25.9-27.2 at 7-12), so compare rows measured at similar loads.
 
 ``first_step`` is ``prepare + trace + first_call``: what a user waits between
 ``fit`` and its first step (the model's build and compile, ``build``, come before).
