@@ -15,8 +15,8 @@ count is fixed when TensorFlow starts) builds and compiles the model and runs
   Grappler's passes, summed from TensorFlow's own log of them
   (``TF_CPP_VMODULE=meta_optimizer=1``), with the largest passes named. These are
   the log's wall times: on a loaded machine they overstate Grappler's share (turning
-  the whole meta optimizer off for the train function saved about 5.5 CPU s of a
-  4-replica ResNet-50 first step whose log summed 31-59 s of passes);
+  the whole meta optimizer off for the train function saved 5.5-10 CPU s of a
+  4-replica ResNet-50 first step whose log summed 31-220 s of passes);
 * ``step``: the second step (a steady step), so that ``first_call - grappler -
   step`` is what instantiating the function costs besides optimising it.
 
