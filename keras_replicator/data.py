@@ -59,7 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator import input_pipeline
-from keras_replicator._compat import tf_data
+from keras_replicator._compat import host_iterator, tf_data
 from keras_replicator._validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -439,6 +439,8 @@ def _distribute(
         contexts.append(input_context)
         return input_fn(input_context)
 
+    # Over the CPU replicas of one worker, one host iterator for all of them (_compat.host_iterator).
+    options = host_iterator.options_for(strategy, options)
     distributed = strategy.distribute_datasets_from_function(pipeline, options)
     cardinality = int(distributed.cardinality)
     if cardinality > 0 and contexts:
