@@ -119,7 +119,7 @@ def _component_specs(original):
 
 def _on_device(value, device: str):
     with tf.device(device):
-        return tf.nest.map_structure(tf.identity, value)
+        return tf.nest.map_structure(tf.identity, value, expand_composites=True)
 
 
 def _get_next_as_list(original):
@@ -140,7 +140,9 @@ def _get_next_as_optional_list(original):
         if not _host(self._options):
             return original(self)
         with tf.device(self._worker):
-            return [self._iterator.get_next_as_optional() for _ in self._devices]
+            optionals = [self._iterator.get_next_as_optional() for _ in self._devices]
+        # The optional's variant moved to the replica's device: its value is read there.
+        return [_on_device(o, d) for o, d in zip(optionals, self._devices, strict=True)]
 
     return get_next_as_optional_list
 
