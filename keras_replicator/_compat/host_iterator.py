@@ -85,6 +85,11 @@ def _host(options) -> bool:
     return type(options) is HostIteratorOptions
 
 
+def reads_through_host(distributed_dataset) -> bool:
+    """Whether a distributed dataset's iterators read through one host iterator."""
+    return _host(getattr(distributed_dataset, "_options", None))
+
+
 def _no_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     if dataset.options().autotune.enabled is not None:
         return dataset
