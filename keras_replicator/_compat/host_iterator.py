@@ -20,20 +20,21 @@ the options) tell the two kinds of iterator apart in a `tf.function`'s cache
 them: TensorFlow's ignores the options, so a trace made for one kind of
 iterator would be reused for the other).
 
-Why: per step, the per-device pipelines run one generator call per replica, each
-a cross-device function call into the host buffer (TensorFlow's profiler:
-`Generator` and `RunWithBorrowedArgs` events per replica, ~1,400 host events per
-step of a small CNN on 4 replicas), for devices that share the host's memory:
-there is nothing to prefetch "to" a CPU device. Measured (docs/performance.md,
-"Where a replicated step's time goes"): `fit` on 4 CPU replicas went from 0.76x
-to about the replica-work reference. It also removes the per-device iterators'
-tf.data autotuning threads, whose join stalled every epoch (`multi_device_iterator`);
-the host iterator is made without autotuning unless the dataset's options ask
-for it, as there.
+Why: for devices that share the host's memory there is nothing to prefetch "to" a
+device, and the per-device pipelines cost most when the iterator is made, which
+`fit` does at every epoch: building and tracing a generator dataset and a
+prefetching pipeline per device and starting their iterators took 1.26-1.49 s
+on 4 CPU replicas of a loaded 2-core machine, against 0.19-0.42 s for one host
+iterator (dropping it: 18 ms against 1 ms); per step, the reads cost 2.5 ms
+against 1.0 ms. `fit` of a small CNN, one 8-step epoch at a time, went from
+0.83x to 1.04x the replica-work reference (docs/performance.md, "Where a
+replicated step's time goes"). It also has no per-device tf.data autotuning
+threads, whose join stalled every epoch (`multi_device_iterator`); the host
+iterator is made without autotuning unless the dataset's options ask for it.
 
 Not used (TensorFlow's own iterator): on GPUs or other accelerators (where
 prefetching each slice to its device overlaps the copy with the step), across
-several workers, and with non-default `InputOptions`.
+several workers, and when `InputOptions` are given (the way to ask for them).
 
 Checked on TF 2.21.
 """
@@ -73,7 +74,7 @@ def _cpu(device: str) -> bool:
 def options_for(strategy, options):
     """The `InputOptions` to distribute a dataset with: ``HostIteratorOptions()`` where it applies."""
     if (not enabled or not ours(strategy) or getattr(strategy, "num_workers", 1) != 1
-            or options not in (None, tf.distribute.InputOptions())):
+            or options is not None):
         return options
     devices = getattr(strategy.extended, "worker_devices", ())
     if len(devices) < 2 or not all(_cpu(d) for d in devices):
