@@ -25,7 +25,8 @@ consume, with these guarantees:
 * **Errors before any step**: batch sizes that do not divide, a batched
   dataset whose batch disagrees, too few files for file sharding, an infinite
   dataset given to Keras without a step count.
-* **Speed**: autotuned ``tf.data`` and prefetching to every replica's device.
+* **Speed**: autotuned ``tf.data``; over the CPU replicas of one worker, one host
+  iterator for all replicas; elsewhere, prefetching to every replica's device.
 
 ``model.fit(x, y)`` with NumPy arrays or an ordinary batched dataset under a
 ``ReplicatorStrategy`` goes through the same machinery (the strategy's
@@ -59,7 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator import input_pipeline
-from keras_replicator._compat import tf_data
+from keras_replicator._compat import host_iterator, tf_data
 from keras_replicator._validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -439,6 +440,8 @@ def _distribute(
         contexts.append(input_context)
         return input_fn(input_context)
 
+    # Over the CPU replicas of one worker, one host iterator for all of them (_compat.host_iterator).
+    options = host_iterator.options_for(strategy, options)
     distributed = strategy.distribute_datasets_from_function(pipeline, options)
     cardinality = int(distributed.cardinality)
     if cardinality > 0 and contexts:
@@ -513,7 +516,9 @@ def distribute_dataset(
         batched: whether the dataset is already batched; ``None`` detects it
             from the dataset's last transformations.
         options: ``tf.distribute.InputOptions``; by default TensorFlow prefetches
-            each replica's slice to its device.
+            each replica's slice to its device, except over the CPU replicas of
+            one worker, where one host iterator feeds them all (any options
+            given bring back TensorFlow's per-device pipelines).
 
     Returns:
         A ``tf.distribute.DistributedDataset`` for ``model.fit/evaluate/predict``

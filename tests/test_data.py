@@ -152,6 +152,34 @@ def test_prefetches_to_every_replica_device(strategy):
     assert pipeline.options().autotune.enabled is None and pipeline.options().deterministic is True
 
 
+def test_one_host_iterator_gives_every_replica_the_same_slices(strategy):
+    """Over CPU replicas one host iterator feeds all replicas (no per-device pipelines); the
+    slices, their devices, a short last batch (TensorFlow's partial-batch path) and a step
+    traced for one kind of iterator are those of TensorFlow's per-device iterator."""
+    from keras_replicator._compat import host_iterator
+
+    source = tf.data.Dataset.range(450).map(lambda i: tf.cast(i, tf.float32))
+    host = strategy.distribute_dataset(source, global_batch_size=64)
+    per_device = strategy.distribute_dataset(source, global_batch_size=64,
+                                             options=tf.distribute.InputOptions())
+    assert host_iterator.reads_through_host(host)
+    assert not host_iterator.reads_through_host(per_device)
+    expected = replica_slices(strategy, per_device)
+    assert [len(v) for v in expected[-2]] == [16, 16, 15, 15] and len(expected) == 8  # 62 + 4
+    for got, want in zip(replica_slices(strategy, host), expected, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+    @tf.function
+    def replica_sums(iterator):  # one function for both kinds: no trace reused across them
+        sums = strategy.run(tf.reduce_sum, args=(next(iterator),))
+        return strategy.experimental_local_results(sums)
+
+    for distributed in (per_device, host, per_device):
+        np.testing.assert_array_equal(replica_sums(iter(distributed)),
+                                      [np.sum(v) for v in expected[0]])
+
+
 # --- sharding across input pipelines (hand-made InputContexts: 2 workers x 2 replicas) ---
 
 

@@ -15,7 +15,11 @@ one drop in six took 0.52-0.55 s, the others 6-8 ms). So a test fails if more
 than one drop takes over half of `_LIFETIME`, or if the slowest takes over 0.25 s
 and 20 times the median drop; neither happened with the fix, loaded or quiet.
 
-`KR_TEST_STALL_UNFIXED=1` turns keras_replicator's fix off in this process, to
+Over CPU replicas, ReplicatorStrategy reads through one host iterator made without
+autotuning (`_compat/host_iterator.py`); elsewhere (GPUs, non-default input options)
+through TensorFlow's per-device pipelines, made without it
+(`_compat/multi_device_iterator.py`): one test each. `KR_TEST_STALL_UNFIXED=1`
+turns keras_replicator's fixes off in this process (TensorFlow's own iterators), to
 see these tests fail (docs/performance.md says how they did).
 """
 
@@ -29,7 +33,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._compat import multi_device_iterator
+from keras_replicator._compat import host_iterator, multi_device_iterator
 
 pytestmark = pytest.mark.devices(4)
 
@@ -37,11 +41,15 @@ _LIFETIME = 2.0  # seconds each iterator lives before it is dropped
 _ROUNDS = 8
 
 
+_FIXED = os.environ.get("KR_TEST_STALL_UNFIXED") != "1"
+
+
 @pytest.fixture(autouse=True)
 def _fix_as_configured():
-    multi_device_iterator.enabled = os.environ.get("KR_TEST_STALL_UNFIXED") != "1"
+    multi_device_iterator.enabled = _FIXED
     yield
     multi_device_iterator.enabled = True
+    host_iterator.enabled = True
 
 
 def _dataset(n: int = 256) -> tf.data.Dataset:
@@ -63,14 +71,17 @@ def _drop_times(distributed) -> list[float]:
     return times
 
 
-@pytest.mark.parametrize("entry", ["experimental_distribute_dataset", "distribute_dataset"])
-def test_dropping_an_iterator_does_not_stall(entry):
+@pytest.mark.parametrize(("entry", "iterator"), [("experimental_distribute_dataset", "host"),
+                                                  ("distribute_dataset", "per_device")])
+def test_dropping_an_iterator_does_not_stall(entry, iterator):
     strategy = kr.ReplicatorStrategy()
     assert strategy.num_replicas_in_sync == 4
+    host_iterator.enabled = _FIXED and iterator == "host"
     if entry == "experimental_distribute_dataset":  # what Keras's fit calls
         distributed = strategy.experimental_distribute_dataset(_dataset().batch(32).repeat())
     else:
         distributed = strategy.distribute_dataset(_dataset().repeat(), global_batch_size=32)
+    assert host_iterator.reads_through_host(distributed) == host_iterator.enabled
     times = _drop_times(distributed)
     shown = f"dropping an iterator took {[round(t, 3) for t in times]} s"
     # Loaded machine: stalls in most drops; one slow drop is tolerated (the machine is shared).

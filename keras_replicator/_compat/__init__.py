@@ -13,6 +13,7 @@ installed version is outside the range a module was checked on.
 | `distributed_values` | `PerReplica`, `Mirrored`, destination devices | constructors | TF 2.16-2.21 |
 | `all_reduce_gradient` | `ReplicaContext.all_reduce` | scoped patch (strategy scope) | TF 2.16-2.21 |
 | `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | installed patch, ours only: no autotuning thread to join at every epoch | TF 2.21 |
+| `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step) | installed patch, ours only | Keras 3.15 |
@@ -54,6 +55,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "distributed_values": ("tensorflow", "2.16", "2.21"),
     "all_reduce_gradient": ("tensorflow", "2.16", "2.21"),
     "multi_device_iterator": ("tensorflow", "2.21", "2.21"),
+    "host_iterator": ("tensorflow", "2.21", "2.21"),
     "tf_data": ("tensorflow", "2.16", "2.21"),
     "keras_trainer": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
@@ -106,6 +108,7 @@ def installed_patches() -> list:
 @functools.cache
 def _permanent():
     from keras_replicator._compat import (
+        host_iterator,
         keras_checkpointing,
         keras_optimizer,
         keras_trainer,
@@ -122,6 +125,8 @@ def _permanent():
         # Per-replica input iterators without tf.data autotuning threads, whose join
         # stalled every new epoch by up to 20 s.
         *multi_device_iterator.PATCHES,
+        # One host iterator for the CPU replicas of one worker: no per-device pipelines.
+        *host_iterator.PATCHES,
     ])
 
 
