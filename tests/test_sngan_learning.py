@@ -22,7 +22,7 @@ from keras_replicator.applications.sngan.__main__ import _parser, config_from_ar
 #   seed 1: class accuracy 0.995, worst-class diversity 0.69 (class 9);
 #   seed 2: class accuracy 0.987, worst-class diversity 0.70 (class 9; 0.54 at 400 updates).
 # Every class of every seed >= 0.6 of real digits' within-class diversity (every class in
-# docs/sngan.md). This test: 8.8 min under a load of 7-9 (13.6 min evaluating every 100 updates,
+# docs/sngan.md). This test: 8.8 and 9.8 min under a load of 7-10 (13.6 min evaluating every 100 updates,
 # under a load of 12-13); the command alone takes 1 min 46 s idle.
 ARGS = ["--dataset", "digits", "--verbose", "0", "--eval-every", "600"]
 
