@@ -438,8 +438,8 @@ def build_model(name: str, batch_norm: str = "keras"):
     return keras.Model(inputs, outputs)
 
 
-# The small SN-GAN of tests/test_sngan_learning.py (`CONFIGS["small16"]` with the digits'
-# one channel): on 4 replicas it learns digits there, and its steps are short enough
+# The small SN-GAN of the digits command (`CONFIGS["small16"]` with the digits' one
+# channel): on 4 replicas it learns digits (docs/sngan_large_batch.md), and its steps are short enough
 # for windows of a few steps. Each `fit` step is one generator update: `SNGAN_N_DIS`
 # discriminator updates, each on a global batch of `global_batch` real and as many
 # fake images, then one generator update on `global_batch` fakes.
