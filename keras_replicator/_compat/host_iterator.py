@@ -128,14 +128,20 @@ def _on_device(value, device: str):
         return tf.nest.map_structure(tf.identity, value, expand_composites=True)
 
 
+def _read_per_replica(iterator, read):
+    """`read()` once per local replica on the worker, each result moved to its replica's device."""
+    with tf.device(iterator._worker):
+        values = [read() for _ in iterator._devices]
+    # An optional's variant moves too: its value is then read on the replica's device.
+    return [_on_device(v, d) for v, d in zip(values, iterator._devices, strict=True)]
+
+
 def _get_next_as_list(original):
     @functools.wraps(original)
     def get_next_as_list(self, name=None):
         if not _host(self._options):
             return original(self, name)
-        with tf.device(self._worker):
-            values = [self._iterator.get_next() for _ in self._devices]
-        return [_on_device(v, d) for v, d in zip(values, self._devices, strict=True)]
+        return _read_per_replica(self, self._iterator.get_next)
 
     return get_next_as_list
 
@@ -145,10 +151,7 @@ def _get_next_as_optional_list(original):
     def get_next_as_optional_list(self):
         if not _host(self._options):
             return original(self)
-        with tf.device(self._worker):
-            optionals = [self._iterator.get_next_as_optional() for _ in self._devices]
-        # The optional's variant moved to the replica's device: its value is read there.
-        return [_on_device(o, d) for o, d in zip(optionals, self._devices, strict=True)]
+        return _read_per_replica(self, self._iterator.get_next_as_optional)
 
     return get_next_as_optional_list
 
