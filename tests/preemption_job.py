@@ -60,7 +60,7 @@ class _Record(keras.callbacks.Callback):
                 # TensorFlow's SIGTERM notifier polls its flag once a second, and this job's steps
                 # take milliseconds: under load the notice could arrive after the last step (fit
                 # would then just finish). Waiting until this worker has seen it makes the stop
-                # step independent of load: the step that is running now is the last one.
+                # step independent of load: the step after this one (the agreement's n + 1).
                 from keras_replicator._compat import preemption
 
                 assert preemption._cluster_watch.noticed.wait(60), "no preemption notice in 60 s"
