@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster, data
 from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
-from keras_replicator._validation import check_choice, check_number
+from keras_replicator._validation import check_bool, check_choice, check_number
 from keras_replicator.cross_device_ops import default_cross_device_ops
 
 _COMMUNICATION = {
@@ -192,6 +192,14 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             step even without the callback. ``"fatal"``: SIGTERM ends the
             process at once, as in a plain Python program. ``None``: the
             environment variable ``KERAS_REPLICATOR_ON_SIGTERM``, else ``"save"``.
+        shard_optimizer_state: if ``True``, every Keras optimizer built under
+            the scope keeps the slots of each model variable (Adam's moments,
+            momentum, ...) on one replica only, which applies its update and
+            sends the new weights to the others (ZeRO stage 1): the optimizer
+            state per device shrinks to about ``1/N``. Checkpoints keep the
+            unsharded format. See `keras_replicator.optimizers.state_sharding`
+            and the guide "Memory". On several workers the state is shared
+            over each worker's own devices.
     """
 
     def __init__(
@@ -204,7 +212,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         failure_timeout: float = 30.0,
         startup_timeout: float = 300.0,
         on_sigterm: str | None = None,
+        shard_optimizer_state: bool = False,
     ):
+        self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         if cross_device_ops is not None and not isinstance(
             cross_device_ops, tf.distribute.CrossDeviceOps
         ):
@@ -317,7 +327,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 f"num_workers={self.num_workers}, worker_index={self.worker_index}, "
                 f"devices={list(self.devices)})"
             )
-        return f"ReplicatorStrategy(num_replicas={self.num_replicas_in_sync}, devices={list(self.devices)})"
+        sharded = ", shard_optimizer_state=True" if self.shard_optimizer_state else ""
+        return (
+            f"ReplicatorStrategy(num_replicas={self.num_replicas_in_sync}, "
+            f"devices={list(self.devices)}{sharded})"
+        )
 
     # --- input pipelines (keras_replicator.data) ---------------------------------
 

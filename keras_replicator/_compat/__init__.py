@@ -25,6 +25,7 @@ installed version is outside the range a module was checked on.
 | `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
+| `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -66,6 +67,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_seed_generator": ("keras", "3.15", "3.15"),
     "keras_initial_epoch": ("keras", "3.15", "3.15"),
     "keras_optimizer": ("keras", "3.15", "3.15"),
+    "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
 }
@@ -111,6 +113,7 @@ def _permanent():
         host_iterator,
         keras_checkpointing,
         keras_optimizer,
+        keras_sharded_optimizer,
         keras_trainer,
         keras_xla,
         multi_device_iterator,
@@ -122,6 +125,8 @@ def _permanent():
         *keras_xla.PATCHES,
         *keras_checkpointing.PATCHES,
         *keras_optimizer.PATCHES,
+        # Optimizer state sharded over the replicas (shard_optimizer_state=True).
+        *keras_sharded_optimizer.PATCHES,
         # Per-replica input iterators without tf.data autotuning threads, whose join
         # stalled every new epoch by up to 20 s.
         *multi_device_iterator.PATCHES,

@@ -3,6 +3,9 @@
 * `CrossReplicaOptimizer` (alias `wrap_optimizer`): wraps a Keras optimizer
   and all-reduces gradients once per update, with accumulation, compression,
   clipping and skipping of non-finite steps.
+* `state_sharding`: the optimizer state sharded over the replicas
+  (``ReplicatorStrategy(shard_optimizer_state=True)``): `partition`,
+  `state_bytes_per_device`, `gather_owned_values`.
 * `gradient_transforms`: those pieces on their own (`GradientAccumulator`,
   `clip_by_global_norm`, `NonFiniteSkip`, `compress`), for custom steps.
 
@@ -27,6 +30,11 @@ from keras_replicator.optimizers.gradient_transforms import (
     compress,
     decompress,
 )
+from keras_replicator.optimizers.state_sharding import (
+    gather_owned_values,
+    partition,
+    state_bytes_per_device,
+)
 
 __all__ = [
     "CrossReplicaOptimizer",
@@ -36,5 +44,8 @@ __all__ = [
     "clip_by_global_norm",
     "compress",
     "decompress",
+    "gather_owned_values",
+    "partition",
+    "state_bytes_per_device",
     "wrap_optimizer",
 ]
