@@ -121,6 +121,7 @@ def check(out_dir: str, exactly_once: bool) -> None:
         "evaluation": evaluation,
         "saved_to": saves,
         "primitives": _primitives(),
+        "optimizer_state_bytes": kr.optimizers.state_bytes_per_device(model.optimizer),
     }
     print(f"fit, evaluate, predict and primitives: {time.time() - started:.1f} s", flush=True)
     if exactly_once:
@@ -199,7 +200,8 @@ def _write(out_dir: str, report: dict, model: keras.Model, **arrays) -> None:
 if __name__ == "__main__":
     # Before any tensor: the strategy joins the cluster that TF_CONFIG describes.
     strategy = kr.ReplicatorStrategy(
-        failure_timeout=float(os.environ.get("KR_TEST_FAILURE_TIMEOUT", "60")), startup_timeout=120
+        failure_timeout=float(os.environ.get("KR_TEST_FAILURE_TIMEOUT", "60")), startup_timeout=120,
+        shard_optimizer_state=os.environ.get("KR_TEST_SHARD_OPTIMIZER_STATE") == "1",
     )
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "check":

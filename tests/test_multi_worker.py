@@ -73,13 +73,16 @@ def one_device_reference(epochs: int):
     return model, history.history, x, y
 
 
-@pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2-sharded-optimizer-state"])
 def test_fit_evaluate_predict_primitives_and_checkpoints(tmp_path, devices):
+    """2x2 also shards the optimizer state over each worker's devices: the same results."""
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     out.mkdir()
     tmp.mkdir()
     args = ["check", str(out)] + (["--exactly-once"] if devices == 2 else [])
-    code, output = launch(*args, devices=devices, env=_env(TMPDIR=str(tmp)))
+    sharded = "1" if devices == 2 else "0"
+    code, output = launch(*args, devices=devices,
+                          env=_env(TMPDIR=str(tmp), KR_TEST_SHARD_OPTIMIZER_STATE=sharded))
     assert code == 0, output[-8000:]
     for i in range(2):
         assert f"[worker {i}] wrote" in output
@@ -91,6 +94,17 @@ def test_fit_evaluate_predict_primitives_and_checkpoints(tmp_path, devices):
     for i, report in enumerate((chief, other)):
         assert report["num_workers"] == 2 and report["num_replicas"] == n
         assert report["local_devices"] == [f"/job:worker/replica:0/task:{i}/device:CPU:{d}" for d in range(devices)]
+
+    # SGD's momentum of 8 x 16 + 16 (Dense), 16 + 16 (batch norm), 16 + 1 (Dense) floats: on
+    # the one local device (2x1), or each variable's on one of the two (2x2), plus the
+    # iteration count (int64) and the learning rate on every device.
+    momentum_bytes = 4 * (8 * 16 + 16 + 16 + 16 + 16 + 1)
+    for report in (chief, other):
+        per_device = sorted(report["optimizer_state_bytes"].values())
+        if devices == 1:
+            assert per_device == [momentum_bytes + 12]
+        else:
+            assert sum(per_device) == momentum_bytes + 2 * 12 and max(per_device) < momentum_bytes
 
     # Identical on both workers: weights, predictions, metrics.
     for a, b in zip(weights_of(chief_arrays), weights_of(other_arrays)):

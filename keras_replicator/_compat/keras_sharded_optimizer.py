@@ -32,6 +32,7 @@ state, shared over its own devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import tensorflow as tf
@@ -80,14 +81,18 @@ class _Plan:
         return None if index is None else self.owners[index]
 
 
-def _on_device(device: str):
-    """A variable creator scope: the variable is made on `device` only (not mirrored)."""
+@contextlib.contextmanager
+def _on_device(strategy, device: str):
+    """Variables made in it are made on `device` only (not mirrored), in `strategy`'s scope."""
 
     def creator(next_creator, **kwargs):
         kwargs["colocate_with"] = numpy_dataset.SingleDevice(device)
         return next_creator(**kwargs)
 
-    return tf.variable_creator_scope(creator)
+    inside = tf.distribute.has_strategy() and tf.distribute.get_strategy() is strategy
+    with contextlib.nullcontext() if inside else strategy.scope():
+        with tf.variable_creator_scope(creator):
+            yield
 
 
 def _build(original):
@@ -101,6 +106,12 @@ def _build(original):
                     "every replica. Keep the average in a callback, or turn sharding off."
                 )
             self._kr_plan = _Plan(self, list(variables))
+            try:
+                return original(self, variables)
+            except BaseException:
+                # Unbuilt again, so that the next build (Keras retries) raises the same error.
+                self.built, self._kr_plan = False, None
+                raise
         return original(self, variables)
 
     return build
@@ -115,7 +126,7 @@ def _add_variable_from_reference(original):
             return original(self, reference_variable, name=name, initializer=initializer)
         plan.placing = True
         try:
-            with _on_device(plan.devices[owner]):
+            with _on_device(self._distribution_strategy, plan.devices[owner]):
                 # Past TFOptimizer's override, which would mirror it beside its reference.
                 return super(TFOptimizer, self).add_variable_from_reference(
                     reference_variable, name=name, initializer=initializer
@@ -141,7 +152,7 @@ def _add_variable(original):
                 "the replica that keeps it. Create slots with "
                 "add_variable_from_reference(model_variable), or turn sharding off."
             )
-        with _on_device(plan.devices[plan.owners[at]]):
+        with _on_device(self._distribution_strategy, plan.devices[plan.owners[at]]):
             return original(self, shape, *args, name=name, **kwargs)
 
     return add_variable

@@ -112,8 +112,6 @@ def _build_from_spec(model, spec) -> None:
     if model._compile_loss is not None and not model._compile_loss.built:
         backend.compute_output_spec(model._compute_loss, x, y, y_pred, sample_weight=sample_weight,
                                     training=False)
-    if model.optimizer is not None and not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
 
 
 def _symbolic_build_from_first_replica(original):
@@ -147,11 +145,16 @@ def _symbolic_build_from_first_replica(original):
             if _needs_data_to_build(self) and iterator is not None:
                 spec = _replica_element_spec(iterator)
                 if spec is not None:
+                    optimizer_unbuilt = self.optimizer is not None and not self.optimizer.built
                     try:
                         _build_from_spec(self, spec)
+                        if optimizer_unbuilt and not self.optimizer.built:
+                            self.optimizer.build(self.trainable_variables)
                         return None
                     except Exception:  # a model that needs a concrete batch: as before
-                        pass
+                        if optimizer_unbuilt and self.optimizer.built:
+                            raise  # the optimizer's build failed: no batch changes that
+
                 for _, _, it in iterator:
                     batch = next(it)
                     data_batch = tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch)
