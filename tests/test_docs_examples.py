@@ -47,6 +47,16 @@ def test_contributing_and_optimizer_pieces_snippets():
     assert "[0.6 0.8]" in result.stdout and "False" in result.stdout
 
 
+def test_memory_guide_example_shares_the_state_over_four_devices():
+    result = run_markdown_example("docs/memory.md", 0)
+    sizes = [int(line.split()[-1]) for line in result.stdout.splitlines() if "device:CPU:" in line]
+    # AdamW's moments of 32 x 64 + 64 + 64 x 64 + 64 + 64 + 1 floats, a quarter each within one
+    # variable, plus the iteration count and learning rate (12 bytes) on every device.
+    total = 2 * 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 + 1)
+    assert len(sizes) == 4 and sum(sizes) == total + 4 * 12
+    assert max(sizes) - 12 <= total / 4 + 2 * 4 * 64 * 64
+
+
 # Which test runs each ```python block of the README and the guides (as it is shown, in a
 # fresh interpreter, checking what it prints); blocks not listed here are run above.
 RUN_ELSEWHERE = {
@@ -67,7 +77,7 @@ RUN_ELSEWHERE = {
 RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),
     ("docs/contributing.md", 0), ("docs/optimizers.md", 2), ("docs/multi_worker.md", 1),
-    ("docs/multi_worker.md", 2), ("docs/sngan.md", 0),
+    ("docs/multi_worker.md", 2), ("docs/sngan.md", 0), ("docs/memory.md", 0),
 }
 
 
