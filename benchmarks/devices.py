@@ -60,6 +60,14 @@ def make_strategy(name: str, devices: list[str], cross_device_ops: str | None = 
     raise ValueError(f"unknown strategy {name!r}")
 
 
+def build_in_scope(strategy, build):
+    """``build()`` in ``strategy``'s scope, or in no scope when ``strategy`` is None."""
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
 def describe_cross_device_ops(strategy) -> str:
     """A short human-readable name of the strategy's cross-device reduction."""
     ops = getattr(strategy.extended, "_cross_device_ops", None)

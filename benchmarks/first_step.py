@@ -73,7 +73,7 @@ def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """In the worker process: one model, one strategy, ``fit`` for 2 steps, timed by phase."""
-    from benchmarks.devices import device_names, make_strategy, setup_devices
+    from benchmarks.devices import build_in_scope, device_names, make_strategy, setup_devices
     from benchmarks.models import build_model, build_sngan
     from benchmarks.synthetic_data import sngan_dataset, synthetic_dataset
 
@@ -92,11 +92,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         return model
 
     t0 = time.perf_counter()
-    if strategy is None:
-        model = build()
-    else:
-        with strategy.scope():
-            model = build()
+    model = build_in_scope(strategy, build)
     times: dict[str, float] = {"build": time.perf_counter() - t0}
     batch = GLOBAL_BATCH[spec["model"]]
     dataset = (sngan_dataset if spec["model"] == "sngan" else synthetic_dataset)(batch)

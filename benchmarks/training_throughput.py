@@ -6,7 +6,13 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.devices import describe_cross_device_ops, device_names, make_strategy, setup_devices
+from benchmarks.devices import (
+    build_in_scope,
+    describe_cross_device_ops,
+    device_names,
+    make_strategy,
+    setup_devices,
+)
 from benchmarks.models import build_model, build_sngan
 from benchmarks.synthetic_data import sngan_dataset, synthetic_dataset
 from benchmarks.window_clock import WindowClock
@@ -55,11 +61,7 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
         return model
 
     t0 = time.perf_counter()
-    if strategy is None:
-        model = build_and_compile()
-    else:
-        with strategy.scope():
-            model = build_and_compile()
+    model = build_in_scope(strategy, build_and_compile)
     build_seconds = time.perf_counter() - t0
 
     clock = WindowClock(max(1, spec["warmup_steps"] // spe), max(1, spec["window_steps"] // spe),
