@@ -12,8 +12,30 @@ ratio between configurations that took turns the median of window-by-window
 ratios, with a 90% interval. Round 1 has a time limit (13.5 minutes in full
 mode): a group past its deadline takes fewer windows, and the outputs say so.
 
-Modules:
-    runner: the plan of configurations, the rounds, the JSON/Markdown/PNG outputs.
-    worker: one configuration in one process; prints ``RESULT {json}``.
-    report: the Markdown table of ratios and the plot, from the JSON.
+Modules of ``python -m benchmarks``, one per concept:
+
+The run (in the parent process):
+    runner: the command line and the output files (JSON, Markdown, PNG).
+    plan: the settings and the configurations (``Settings``, ``Config``, ``plan``).
+    rounds: the rounds and round 1's time limit.
+    processes: worker processes, alone or a group taking turns window by window.
+    results: the JSON document (each configuration's figures over its rounds).
+
+One configuration (in a worker process):
+    worker: ``python -m benchmarks.worker SPEC``: runs the spec's kind, prints its result.
+    protocol: the worker's command line, its ``RESULT`` line and its turns.
+    window_clock: warm-up, then timed windows.
+    devices: simulated devices and the strategies over them.
+    models, synthetic_data: the models trained and the data they read.
+    machine, allreduce, training_throughput, multiworker: the kinds of measurement.
+
+The outputs (from the JSON):
+    tables (with xla_table): the Markdown tables.
+    targets: the targets, measured and met or not.
+    plot: the PNG.
+    entries, ratios, formatting: the entries a row compares, their paired ratios and
+    90% intervals, how figures are written.
+
+Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_throughput``,
+``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``.
 """

@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.worker import RESULT_PREFIX, ROOT
+from benchmarks.protocol import ROOT, emit_result, read_result
 
 OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "first_step.png")
@@ -73,39 +73,29 @@ def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """In the worker process: one model, one strategy, ``fit`` for 2 steps, timed by phase."""
-    from benchmarks.worker import (
-        _device_names,
-        _make_strategy,
-        _setup_devices,
-        _sngan,
-        _sngan_dataset,
-        _synthetic_dataset,
-        build_model,
-    )
+    from benchmarks.devices import build_in_scope, device_names, make_strategy, setup_devices
+    from benchmarks.models import build_model, build_sngan
+    from benchmarks.synthetic_data import sngan_dataset, synthetic_dataset
 
-    _setup_devices(spec["replicas"])
+    setup_devices(spec["replicas"])
     import keras
 
-    strategy = None if spec["strategy"] == "one" else _make_strategy(
-        "ours", _device_names(spec["replicas"]))
+    strategy = None if spec["strategy"] == "one" else make_strategy(
+        "ours", device_names(spec["replicas"]))
 
     def build():
         if spec["model"] == "sngan":
-            return _sngan()
+            return build_sngan()
         model = build_model(spec["model"])
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
     t0 = time.perf_counter()
-    if strategy is None:
-        model = build()
-    else:
-        with strategy.scope():
-            model = build()
+    model = build_in_scope(strategy, build)
     times: dict[str, float] = {"build": time.perf_counter() - t0}
     batch = GLOBAL_BATCH[spec["model"]]
-    dataset = (_sngan_dataset if spec["model"] == "sngan" else _synthetic_dataset)(batch)
+    dataset = (sngan_dataset if spec["model"] == "sngan" else synthetic_dataset)(batch)
     marks: dict[str, float] = {}
     cpu: dict[str, float] = {}  # the same marks in this process's CPU time
     make = model.make_train_function
@@ -162,10 +152,9 @@ def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(spec, error=f"timed out after {timeout:.0f} s")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
+    result = read_result(proc.stdout.splitlines()) if proc.returncode == 0 else None
+    if result is None:
         return dict(spec, error=f"exit {proc.returncode}: {proc.stderr[-1500:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
     total, per_pass, per_item = grappler_seconds(proc.stderr)
     result["grappler"] = total
     result["grappler_passes"] = {k: round(v, 3) for k, v in
@@ -239,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(RESULT_PREFIX + json.dumps(run_one(json.loads(args.worker))), flush=True)
+        emit_result(run_one(json.loads(args.worker)))
         sys.stdout.flush()
         os._exit(0)  # skip the interpreter's teardown (see benchmarks/worker.py)
     if any(k < 1 for k in args.replicas):

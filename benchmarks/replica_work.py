@@ -19,12 +19,16 @@ one device" throughput ratio K replicas can reach on this machine.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-from benchmarks.worker import IMAGE_SIZE, build_model
+from benchmarks.models import IMAGE_SIZE, build_model
 
-GLOBAL_BATCH = {"cnn": 128, "resnet50": 64}  # as in `make bench` (benchmarks/runner.py)
+# TensorFlow's C++ info and warnings off, as in the benchmark workers (benchmarks/worker.py).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+GLOBAL_BATCH = {"cnn": 128, "resnet50": 64}  # as in `make bench` (benchmarks/plan.py)
 
 
 def step_seconds(model_name: str, batch: int, repeats: int) -> float:

@@ -1,7 +1,7 @@
 """The XLA table of `python -m benchmarks`: step time with and without `jit_compile`.
 
 One device and ours on K replicas, each with XLA on and off, took turns window by
-window in one group (``runner._xla_configs``), so each "XLA / no XLA" ratio is
+window in one group (``plan._xla_configs``), so each "XLA / no XLA" ratio is
 paired; stock `MirroredStrategy` with `jit_compile=True` ran beside them and its
 row is its error (it fails at the first step).
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import report
+from benchmarks.entries import STRATEGY_NAMES
+from benchmarks.formatting import devices_label, fmt, fmt_interval, fmt_ratio
+from benchmarks.ratios import speedup, speedup_interval
 
 
 def _cell(entry: dict | None) -> str:
@@ -22,7 +24,7 @@ def _cell(entry: dict | None) -> str:
         # TensorFlow's message (the line that says what failed), not the node it names last.
         said = [ln for ln in lines if not ln.startswith(("[[", "File ", "Cf. ", "Detected at"))]
         return "fails: `" + (said[-1] if said else reason)[:200].replace("|", "/") + "`"
-    return f"{report._fmt(entry['step_ms'], 1)} ms"
+    return f"{fmt(entry['step_ms'], 1)} ms"
 
 
 def xla_table(doc: dict[str, Any]) -> list[str]:
@@ -35,8 +37,6 @@ def xla_table(doc: dict[str, Any]) -> list[str]:
            "window by window, with its 90% interval)", "",
            "| strategy | devices | no XLA | `jit_compile=True` | XLA / no XLA |",
            "|---|---|---:|---:|---:|"]
-    names = {"one": "one device", "ours": "`ReplicatorStrategy`",
-             "stock": "stock `MirroredStrategy`"}
     for strategy in ("one", "ours", "stock"):
         side = [e for e in rows if e.get("strategy") == strategy]
         if not side:
@@ -46,9 +46,8 @@ def xla_table(doc: dict[str, Any]) -> list[str]:
         both = on and off and on.get("available") and off.get("available")
         ratio = "-"
         if both:
-            ratio = (report._fmt_ratio(report._speedup(on, off))
-                     + report._fmt_interval(report._speedup_interval(on, off)))
-        out.append(f"| {names[strategy]} | {report._devices_label(side[0]['devices'])} "
+            ratio = fmt_ratio(speedup(on, off)) + fmt_interval(speedup_interval(on, off))
+        out.append(f"| {STRATEGY_NAMES[strategy]} | {devices_label(side[0]['devices'])} "
                    f"| {_cell(off) if off else 'not measured'} | {_cell(on)} | {ratio} |")
     out.append("")
     return out

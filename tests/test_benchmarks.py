@@ -99,12 +99,12 @@ def test_grouped_processes_take_turns_window_by_window(epoch_per_window):
     """The processes of a group (e.g. stock and ours) warm up together but time their
     windows one at a time, alternately: no two timed windows overlap (also when each
     window is its own `fit` call, as the training groups run)."""
-    from benchmarks import runner
+    from benchmarks import processes
 
     spec = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1, "global_batch": 16,
             "steps_per_execution": 1, "warmup_steps": 1, "windows": 3, "window_steps": 2,
             "epoch_per_window": epoch_per_window}
-    results = runner.run_group([spec, dict(spec, strategy="stock")], timeout=300)
+    results = processes.run_group([spec, dict(spec, strategy="stock")], timeout=300)
     assert all(isinstance(r, dict) for r in results), results
     intervals = sorted((start, end, i) for i, r in enumerate(results)
                        for start, end in r["window_intervals"])
@@ -116,11 +116,11 @@ def test_grouped_processes_take_turns_window_by_window(epoch_per_window):
 
 
 def test_all_reduce_implementations_take_turns_too():
-    from benchmarks import runner
+    from benchmarks import processes
 
     spec = {"kind": "allreduce", "devices": 2, "sizes_mb": [0.25, 1], "windows": 3, "calls_mb": 4}
-    results = runner.run_group([dict(spec, impl="stock_default"), dict(spec, impl="ours")],
-                               timeout=300)
+    results = processes.run_group([dict(spec, impl="stock_default"), dict(spec, impl="ours")],
+                                  timeout=300)
     assert all(isinstance(r, dict) for r in results), results
     assert all(len(r["sizes"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
     # Small sizes: several all-reduces of distinct tensors per call (8 MB), and
@@ -137,12 +137,12 @@ def test_all_reduce_implementations_take_turns_too():
 def test_two_worker_runs_take_turns_too():
     """A multi-worker configuration pauses both of its workers at the same step,
     so stock and ours time their windows one at a time as well."""
-    from benchmarks import runner
+    from benchmarks import processes
 
     spec = {"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 240,
             "warmup_steps": 2, "windows": 2, "window_steps": 2}
-    results = runner.run_group([dict(spec, strategy="stock"), dict(spec, strategy="ours")],
-                               timeout=300)
+    results = processes.run_group([dict(spec, strategy="stock"), dict(spec, strategy="ours")],
+                                  timeout=300)
     assert all(isinstance(r, dict) for r in results), results
     assert [r["replicas"] for r in results] == [2, 2]
     intervals = sorted((start, end, i) for i, r in enumerate(results)
@@ -163,7 +163,7 @@ def test_a_group_past_its_deadline_stops_every_process_after_the_same_window(kin
     kind of worker then ends cleanly (no hang, a result with whole windows only)."""
     import time
 
-    from benchmarks import runner
+    from benchmarks import processes, rounds
 
     if kind == "train":
         specs = [TRAIN_SPEC, dict(TRAIN_SPEC, strategy="stock")]
@@ -175,27 +175,27 @@ def test_a_group_past_its_deadline_stops_every_process_after_the_same_window(kin
                   "warmup_steps": 2, "window_steps": 2, "strategy": s} for s in ("stock", "ours")]
     specs = [dict(spec, windows=5) for spec in specs]
     started = time.perf_counter()
-    results = runner.run_group(specs, timeout=300, deadline=started, min_windows=2)
+    results = processes.run_group(specs, timeout=300, deadline=started, min_windows=2)
     assert all(isinstance(r, dict) for r in results), results
-    assert [runner._windows_taken(r) for r in results] == [2, 2]
+    assert [rounds.windows_taken(r) for r in results] == [2, 2]
     intervals = sorted((start, end, i) for i, r in enumerate(results)
                        for start, end in r["window_intervals"])
     assert [i for _, _, i in intervals] == [0, 1, 1, 0]
     # Without a deadline the same group takes all its windows.
     if kind == "train":
-        full = runner.run_group(specs, timeout=300, deadline=None, min_windows=2)
-        assert [runner._windows_taken(r) for r in full] == [5, 5]
+        full = processes.run_group(specs, timeout=300, deadline=None, min_windows=2)
+        assert [rounds.windows_taken(r) for r in full] == [5, 5]
 
 
 def test_round_one_deadlines_leave_the_later_groups_their_time_at_the_pace_so_far(monkeypatch):
     """A group may time windows until the end of the run less what the groups after it
     take, at the pace of those before it; a group cut short is recorded in the JSON
     and named in the table."""
-    from benchmarks import report, runner
+    from benchmarks import plan, rounds, tables
 
     clock = [1000.0]
     seen = []
-    expected = runner._EXPECTED_SECONDS
+    expected = plan.EXPECTED_SECONDS
 
     def fake_group(specs, timeout, deadline=None, min_windows=1):
         seen.append((deadline - clock[0], min_windows))
@@ -204,15 +204,15 @@ def test_round_one_deadlines_leave_the_later_groups_their_time_at_the_pace_so_fa
         taken = min_windows if model == "resnet50" else specs[0]["windows"]
         return [{"examples_per_second": 1.0, "samples": [1.0] * taken} for _ in specs]
 
-    monkeypatch.setattr(runner, "run_group", fake_group)
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
-    settings = runner.Settings.for_mode(False)
+    monkeypatch.setattr(rounds, "run_group", fake_group)
+    monkeypatch.setattr(rounds.time, "perf_counter", lambda: clock[0])
+    settings = plan.Settings.for_mode(False)
     settings.deadline_seconds = 1000.0
-    configs = [runner.Config("training", {"model": m, "strategy": st, "devices": d},
-                             runner._train_spec(m, st, d, settings), group=f"{m}/{d}")
+    configs = [plan.Config("training", {"model": m, "strategy": st, "devices": d},
+                           plan.train_spec(m, st, d, settings), group=f"{m}/{d}")
                for m, d in (("cnn", 2), ("resnet50", 2), ("resnet50", 4))
                for st in ("stock", "ours")]
-    runner.execute(configs, settings, log=lambda msg: None)
+    rounds.execute(configs, settings, log=lambda msg: None)
     rest = expected["resnet50/2"] + expected["resnet50/4"]
     assert seen[0] == (1000.0 - rest, 12)  # nothing ran yet: pace 1; half of 24 windows
     # The CNN took twice its time: the next group leaves twice the last one's.
@@ -225,30 +225,30 @@ def test_round_one_deadlines_leave_the_later_groups_their_time_at_the_pace_so_fa
                         "windows_cut_for_time": [dict(cut, config=c.name)
                                                  for c in configs for cut in c.cut_windows]},
            "environment": {}}
-    assert "training/model=resnet50/strategy=stock/devices=2: 6 of 12" in report.machine_line(doc)
+    assert "training/model=resnet50/strategy=stock/devices=2: 6 of 12" in tables.machine_line(doc)
 
 
 def test_ratios_of_turn_takers_are_paired_window_by_window():
     """Drift that hits both configurations alike cancels in the paired ratio; the
     ratio of medians is used only for configurations that did not take turns."""
-    from benchmarks import report
+    from benchmarks import ratios
 
     drift = [100.0, 50.0, 100.0, 50.0, 100.0]
     stock = {"examples_per_second": 100.0, "group": "g", "window_samples": [drift]}
     ours = {"examples_per_second": 55.0, "group": "g",
             "window_samples": [[x * 1.1 for x in drift]]}
-    assert report._speedup(ours, stock) == pytest.approx(1.1)
+    assert ratios.speedup(ours, stock) == pytest.approx(1.1)
     alone = dict(ours, group=None)
-    assert report._speedup(alone, stock) == pytest.approx(0.55)
+    assert ratios.speedup(alone, stock) == pytest.approx(0.55)
     uneven = dict(ours, window_samples=[[55.0, 110.0]])
-    assert report._speedup(uneven, stock) == pytest.approx(0.55)
-    assert report._speedup(None, stock) is None
+    assert ratios.speedup(uneven, stock) == pytest.approx(0.55)
+    assert ratios.speedup(None, stock) is None
 
 
 def test_throughput_target_takes_ours_at_its_best_and_shows_both_at_the_same_settings():
     """Stock cannot run steps_per_execution > 1 on 2+ replicas: the target compares it
     with ours at its best, and the same-settings ratio is reported beside it."""
-    from benchmarks import report
+    from benchmarks import targets
 
     def entry(eps, **key):
         return dict(key, available=True, examples_per_second=eps, group="g",
@@ -261,22 +261,22 @@ def test_throughput_target_takes_ours_at_its_best_and_shows_both_at_the_same_set
            "steps_per_execution": [entry(98.0, model="cnn", devices=2, steps_per_execution=1),
                                    entry(107.0, model="cnn", devices=2, steps_per_execution=8)],
            "batch_norm": [], "allreduce": []}
-    (target, measured, met), = report.targets(doc)
+    (target, measured, met), = targets.targets(doc)
     assert met == "yes" and "1.040x at worst (ResNet-50 (32x32), 2 CPU" in measured
     assert "Both at `steps_per_execution=1`: 0.980x at worst (small CNN, 2 CPU)" in measured
     doc["training"][3] = entry(49.0, model="resnet50", strategy="ours", devices=2)
-    assert report.targets(doc)[0][2] == "no"  # a row without spe=8 counts at 1
+    assert targets.targets(doc)[0][2] == "no"  # a row without spe=8 counts at 1
 
 
 def test_median_interval_is_the_distribution_free_one():
     """For 12 values the 90% interval is the 3rd smallest to the 3rd largest
     (coverage 1 - 2 * P(Binomial(12, 1/2) <= 2) = 0.961; the 4th would give 0.854)."""
-    from benchmarks import report
+    from benchmarks import ratios
 
     values = [float(v) for v in (7, 3, 11, 1, 9, 5, 12, 2, 8, 4, 10, 6)]
-    assert report.median_interval(values) == (3.0, 10.0)
-    assert report.median_interval([1.0, 2.0, 3.0]) is None  # too few for 90%
-    assert report.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # 1 - 2/32
+    assert ratios.median_interval(values) == (3.0, 10.0)
+    assert ratios.median_interval([1.0, 2.0, 3.0]) is None  # too few for 90%
+    assert ratios.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # 1 - 2/32
 
 
 def _bn_entry(model, bn, samples, group):
@@ -294,7 +294,7 @@ def test_batch_norm_target_is_decided_where_the_layers_make_the_step(
         layers_ratio, whole_ratio, met, verdict):
     """Where batch norm makes most of a step the median decides; in the whole ResNet-50
     (a tenth of a step) only a resolved slowdown fails the target."""
-    from benchmarks import report
+    from benchmarks import targets
 
     drift = [1.0, 0.8, 1.2, 0.9, 1.1, 0.85, 1.15, 0.95, 1.05, 1.0, 0.9, 1.1]
     sync = [100.0 * d for d in drift]  # cancels in the paired ratios
@@ -308,7 +308,7 @@ def test_batch_norm_target_is_decided_where_the_layers_make_the_step(
         glob = [x / ratio * n for x, n in zip(sync, noise[model])]
         doc["batch_norm"] += [_bn_entry(model, "keras_sync", sync, model),
                               _bn_entry(model, "global", glob, model)]
-    ((target, measured, verdict_met),) = report._batch_norm_target(doc)
+    ((target, measured, verdict_met),) = targets.batch_norm_target(doc)
     assert verdict_met == met, measured
     assert "whole ResNet-50 (32x32): " in measured and verdict in measured
     assert measured.startswith(f"{layers_ratio:.3f}x at worst (CNN + BN")
@@ -316,11 +316,11 @@ def test_batch_norm_target_is_decided_where_the_layers_make_the_step(
 
 def test_whole_model_batch_norm_without_paired_windows_reads_cleanly():
     """Entries that did not take turns have no interval: the verdict stands alone."""
-    from benchmarks import report
+    from benchmarks import targets
 
     doc = {"batch_norm": [_bn_entry("resnet50", "keras_sync", [100.0] * 12, None),
                           _bn_entry("resnet50", "global", [110.0] * 12, None)]}
-    ((_, measured, met),) = report._batch_norm_target(doc)
+    ((_, measured, met),) = targets.batch_norm_target(doc)
     assert measured == "whole ResNet-50 (32x32): 0.91x (within what the run resolves)"
     assert met == "yes"
 
@@ -328,7 +328,7 @@ def test_whole_model_batch_norm_without_paired_windows_reads_cleanly():
 def test_all_reduce_target_reads_several_per_call_and_shows_one_per_call():
     """The target is decided on the all-reduce's bandwidth (several per call); the
     figure one per call, where it differs, is shown beside it in the target and table."""
-    from benchmarks import report
+    from benchmarks import tables, targets
 
     def entry(impl, gbps, one):
         return {"impl": impl, "devices": 2, "available": True, "group": "ar",
@@ -340,41 +340,41 @@ def test_all_reduce_target_reads_several_per_call_and_shows_one_per_call():
     doc = {"training": [], "batch_norm": [], "steps_per_execution": [],
            "allreduce": [entry("stock_default", 2.0, 1.5), entry("ours", 9.0, 2.7)],
            "memcopy": {"gbps": {"1": 40.0, "16": 30.0}}}
-    ((target, measured, met),) = report.targets(doc)
+    ((target, measured, met),) = targets.targets(doc)
     assert met == "yes" and measured.startswith("4.500x at worst (1 MB, 2 CPU")
     assert "One all-reduce per call" in measured and "1.80x at worst (1 MB, 2 CPU" in measured
-    table = "\n".join(report._bandwidth_table(doc))
+    table = "\n".join(tables.bandwidth_table(doc))
     assert "| 2 CPU | 1 MB | 8 | 2.00 |" in table and "**4.50x** | **1.80x** |" in table
     assert "| 2 CPU | 16 MB | 1 | 20.00 |" in table and "**4.50x** | - |" in table
     doc["allreduce"][1] = entry("ours", 3.0, 2.7)
-    assert report.targets(doc)[0][2] == "no"  # 1.5x with several per call
+    assert targets.targets(doc)[0][2] == "no"  # 1.5x with several per call
 
 
 def test_the_sngan_group_is_one_device_stock_and_ours_on_the_largest_device_count():
     """The default full run has an SN-GAN group on 4 devices only (one device, stock, ours
     and the replica-work reference taking turns), its global batch that of the SN-GAN learning check."""
-    from benchmarks import runner
+    from benchmarks import plan
 
-    settings = runner.Settings.for_mode(False)
+    settings = plan.Settings.for_mode(False)
     assert "sngan" in settings.models
-    configs = [c for c in runner.plan(settings, {"global_batch_norm_available": True})
+    configs = [c for c in plan.plan(settings, {"global_batch_norm_available": True})
                if c.key.get("model") == "sngan"]
     assert [(c.section, c.key["strategy"], c.key["devices"], c.group) for c in configs] == [
         ("training", "one", 1, "sngan/4"), ("training", "stock", 4, "sngan/4"),
         ("training", "ours", 4, "sngan/4"), ("training", "reference", 4, "sngan/4")]
     assert all(c.spec["global_batch"] == 32 and c.spec["epoch_per_window"] for c in configs)
-    assert "sngan/4" in runner._EXPECTED_SECONDS
+    assert "sngan/4" in plan.EXPECTED_SECONDS
 
 
 def test_sngan_worker_times_generator_updates_taking_turns():
     """The SN-GAN's `fit` runs in the benchmark worker on one device and on 2 replicas
     (ours), the two timing their windows one at a time."""
-    from benchmarks import runner
+    from benchmarks import processes
 
     spec = {"kind": "train", "model": "sngan", "global_batch": 8, "steps_per_execution": 1,
             "warmup_steps": 1, "windows": 2, "window_steps": 1, "epoch_per_window": True}
-    results = runner.run_group([dict(spec, strategy="one", devices=1),
-                                dict(spec, strategy="ours", devices=2)], timeout=600)
+    results = processes.run_group([dict(spec, strategy="one", devices=1),
+                                   dict(spec, strategy="ours", devices=2)], timeout=600)
     assert all(isinstance(r, dict) for r in results), results
     assert [r["replicas"] for r in results] == [1, 2]
     assert results[0]["parameters"] == results[1]["parameters"] > 100_000
@@ -388,7 +388,7 @@ def test_sngan_worker_times_generator_updates_taking_turns():
 def test_sngan_table_gives_step_times_and_says_how_stock_fails():
     """The GAN row: ms per generator update and paired ratios; a stock failure is shown
     in the row (its exception's line) and is not a failure of the run."""
-    from benchmarks import report, runner
+    from benchmarks import plan, results, tables, targets
 
     def entry(strategy, devices, ms):
         samples = [1000.0 * 32 / x for x in ms]
@@ -401,24 +401,24 @@ def test_sngan_table_gives_step_times_and_says_how_stock_fails():
                         entry("ours", 4, [200.0, 150.0, 175.0]),
                         # the replica-work reference: one device doing the 4 replicas' work
                         entry("reference", 4, [160.0, 150.0, 155.0])]}
-    table = "\n".join(report._gan_table(doc))
+    table = "\n".join(tables.gan_table(doc))
     # ours / reference, paired by window: median of 160/200, 150/150, 155/175 = 0.886
     assert ("| SN-GAN (16x16) | 4 CPU | 110.0 ms | 350.0 ms | 175.0 ms | 155.0 ms | **0.63x** "
             "| **2.00x** | **0.89x** |") in table
-    assert report.targets(dict(doc, batch_norm=[], allreduce=[], steps_per_execution=[])) == []
+    assert targets.targets(dict(doc, batch_norm=[], allreduce=[], steps_per_execution=[])) == []
     error = ("exit 1:\nTraceback (most recent call last):\n  ...\n"
              "tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error")
     doc["training"][1] = {"model": "sngan", "strategy": "stock", "devices": 4,
                           "available": False, "error": error}
-    table = "\n".join(report._gan_table(doc))
+    table = "\n".join(tables.gan_table(doc))
     assert "| fails: `tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph " \
            "execution error` | 175.0 ms | 155.0 ms | **0.63x** | - | **0.89x** |" in table
-    failed = runner.Config("training", {"model": "sngan", "strategy": "stock", "devices": 4},
-                           {"global_batch": 32}, errors=[error])
-    crashed = runner.Config("training", {"model": "cnn", "strategy": "stock", "devices": 4},
-                            {"global_batch": 128}, errors=[error])
-    settings = runner.Settings.for_mode(False)
-    collected = runner.collect([failed, crashed], settings, {}, 0.0, 1.0)
+    failed = plan.Config("training", {"model": "sngan", "strategy": "stock", "devices": 4},
+                         {"global_batch": 32}, errors=[error])
+    crashed = plan.Config("training", {"model": "cnn", "strategy": "stock", "devices": 4},
+                          {"global_batch": 128}, errors=[error])
+    settings = plan.Settings.for_mode(False)
+    collected = results.collect([failed, crashed], settings, {}, 0.0, 1.0)
     assert [f["config"] for f in collected["failures"]] == [crashed.name]
     assert collected["training"][0]["error"] == error
 
@@ -427,14 +427,14 @@ def test_xla_group_pairs_xla_on_and_off_and_shows_how_stock_fails():
     """The full run has one XLA group on the largest device count: one device and ours with
     `jit_compile` off and on, and stock with it on; the table pairs on/off, shows stock's
     TensorFlow message, and stock's failure is not a failure of the run."""
-    from benchmarks import runner, xla_table
+    from benchmarks import plan, results, xla_table
 
-    configs = [c for c in runner.plan(runner.Settings.for_mode(False), {}) if c.section == "xla"]
+    configs = [c for c in plan.plan(plan.Settings.for_mode(False), {}) if c.section == "xla"]
     assert [(c.key["strategy"], c.key["devices"], c.key["jit"], c.spec["jit_compile"], c.group)
             for c in configs] == [("one", 1, False, False, "xla/4"), ("one", 1, True, True, "xla/4"),
                                   ("ours", 4, False, False, "xla/4"), ("ours", 4, True, True, "xla/4"),
                                   ("stock", 4, True, True, "xla/4")]
-    assert not [c for c in runner.plan(runner.Settings.for_mode(True), {}) if c.section == "xla"]
+    assert not [c for c in plan.plan(plan.Settings.for_mode(True), {}) if c.section == "xla"]
 
     def entry(strategy, devices, jit, ms):
         samples = [1000.0 * 128 / x for x in ms]
@@ -456,6 +456,6 @@ def test_xla_group_pairs_xla_on_and_off_and_shows_how_stock_fails():
     assert "| `ReplicatorStrategy` | 4 CPU | 200.0 ms | 400.0 ms | **0.50x** |" in table
     assert ("| stock `MirroredStrategy` | 4 CPU | not measured | fails: `Trying to access resource "
             "conv2d/kernel/replica_1/5 located in device CPU:1` | - |") in table
-    stock = runner.Config("xla", {"model": "cnn", "strategy": "stock", "devices": 4, "jit": True},
-                          {"global_batch": 128}, errors=[error])
-    assert runner.collect([stock], runner.Settings.for_mode(False), {}, 0.0, 1.0)["failures"] == []
+    stock = plan.Config("xla", {"model": "cnn", "strategy": "stock", "devices": 4, "jit": True},
+                        {"global_batch": 128}, errors=[error])
+    assert results.collect([stock], plan.Settings.for_mode(False), {}, 0.0, 1.0)["failures"] == []
