@@ -242,7 +242,7 @@ def test_what_cannot_be_sharded_is_refused_before_any_step_naming_it():
         model = mlp()
         model.compile(keras.optimizers.Adam(use_ema=True), "mse")
     weights = model.get_weights()
-    with pytest.raises(ValueError, match="'adam' has use_ema=True"):
+    with pytest.raises(ValueError, match="Optimizer 'adam(_[0-9]+)?' has use_ema=True"):
         model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
     for a, b in zip(model.get_weights(), weights):  # no step ran
         np.testing.assert_array_equal(a, b)
@@ -263,7 +263,7 @@ def test_what_cannot_be_sharded_is_refused_before_any_step_naming_it():
 
 def test_partition_balances_and_is_deterministic():
     sizes = [100, 60, 50, 40, 10]
-    assert kr.optimizers.partition(sizes, 2) == [0, 1, 1, 0, 0]
+    assert kr.optimizers.partition(sizes, 2) == [0, 1, 1, 0, 1]  # 140 and 120
     assert kr.optimizers.partition(sizes, 1) == [0] * 5
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 1000, size=200).tolist()

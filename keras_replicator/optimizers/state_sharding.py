@@ -47,7 +47,7 @@ def partition(sizes: Sequence[int], num_replicas: int) -> list[int]:
         import keras_replicator as kr
 
         owners = kr.optimizers.partition([100, 60, 50, 40, 10], num_replicas=2)
-        print(owners)   # [0, 1, 1, 0, 0]: 150 and 110 elements
+        print(owners)   # [0, 1, 1, 0, 1]: 140 and 120 elements
         ```
 
     Args:
