@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nvidia.com/gpu limit of each chief and worker pod")
     k8s.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                      help="JobSet/TrainJob: restart the whole job after a failure, up to N times "
-                     "(failurePolicy.maxRestarts); with --ps a failed worker pod is replaced alone")
+                     "(failurePolicy.maxRestarts); with --ps a failed worker pod is replaced alone. "
+                     "Preemptions (exit 143, pod condition DisruptionTarget) restart it uncounted")
     k8s.add_argument("--port", type=_number_type(int, "in 1..65535", lambda v: 1 <= v <= 65535),
                      default=2222, help="the port every task listens on (default 2222)")
     k8s.add_argument("--restart-policy", default=None, choices=["OnFailure", "Always", "Never", "ExitCode"],
