@@ -24,6 +24,7 @@ from typing import Any
 from keras_replicator import jobset as pod
 from keras_replicator._validation import check_int
 from keras_replicator.launch.config import _check_module_name
+from keras_replicator.launch.environment import PREEMPTED_EXIT_CODE
 
 KINDS = ("jobset", "tfjob", "trainjob")
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -35,10 +36,9 @@ TFJOB_RESTART_POLICIES = ("OnFailure", "Always", "Never", "ExitCode")
 # Kubeflow Trainer's names for the trainer step (pkg/constants/constants.go).
 _TRAINER_JOB = "node"
 _TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
-# What a preempted pod shows: our own exit status after SIGTERM (128 + 15, the value of
-# keras_replicator._compat.preemption.EXIT_CODE, not imported: no TensorFlow here), and the
+# What a preempted pod shows: our own exit status after SIGTERM (128 + 15), and the
 # condition Kubernetes sets on a pod it evicts, preempts or deletes with its node.
-PREEMPTION_EXIT_CODE = 143
+PREEMPTION_EXIT_CODE = PREEMPTED_EXIT_CODE
 DISRUPTION_CONDITION = "DisruptionTarget"
 # A JobSet rule's name: ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ (JobSet's CRD).
 PREEMPTION_RULE_NAME = "PreemptionRestartsUncounted"
