@@ -75,13 +75,29 @@ _non_negative_int = _number_type(int, "at least 0", lambda v: v >= 0)
 _positive_float = _number_type(float, "positive", lambda v: v > 0)
 
 
+def _worker_range(text: str) -> int | tuple[int, int]:
+    """``--workers`` of ``launch``: N, or MIN:MAX (an elastic job)."""
+    if ":" not in text:
+        return _positive_int(text)
+    from keras_replicator.launch.config import parse_worker_range
+
+    try:
+        return parse_worker_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_job_arguments(
     parser: argparse.ArgumentParser, script_help: str, workers_required: bool = True
 ) -> None:
     """The arguments every job-starting sub-command takes: N workers running one script."""
-    parser.add_argument("--workers", type=_positive_int, required=workers_required, default=None,
-                        metavar="N", help="number of workers" + ("" if workers_required else
-                        " on this machine (a one-machine job)"))
+    if workers_required:
+        parser.add_argument("--workers", type=_positive_int, required=True, metavar="N", help="number of workers")
+    else:
+        parser.add_argument("--workers", type=_worker_range, default=None, metavar="N|MIN:MAX",
+                            help="number of workers on this machine (a one-machine job); MIN:MAX "
+                            "starts MAX and goes on with fewer, down to MIN, without a worker that "
+                            "keeps failing (it restarts and resumes from the backup)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module, run as `python -m SCRIPT` (as torchrun's -m)")
     parser.add_argument("script", help=script_help)
@@ -100,10 +116,13 @@ def config_from_args(args: argparse.Namespace) -> launch_config.LaunchConfig:
     from keras_replicator.launch import LaunchConfig  # no TensorFlow: the launcher starts at once
 
     gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g.strip()]
+    min_workers, workers = args.workers if isinstance(args.workers, tuple) else (None, args.workers)
     return LaunchConfig(
         args.script,
         args.args,
-        workers=args.workers,
+        workers=workers,
+        min_workers=min_workers,
+        worker_failures=args.worker_failures,
         devices_per_worker=args.devices_per_worker,
         host=args.host,
         hosts=args.hosts,
@@ -200,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS", help="with --nnodes: how long to wait for every node")
     launch.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                         help="restart every worker after a failure, up to N times (default 0)")
+    launch.add_argument("--worker-failures", type=_positive_int, default=None, metavar="K",
+                        help="with --workers MIN:MAX: leave out a worker that was the first to fail "
+                        "on K starts of the job in a row (default 2)")
     launch.add_argument("--ps", type=_non_negative_int, default=0, metavar="M",
                         help="a parameter-server job: a chief, the N workers and M ps tasks "
                         "(a failed worker is restarted alone, up to --max-restarts times)")
@@ -239,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nvidia.com/gpu limit of each chief and worker pod")
     k8s.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                      help="JobSet/TrainJob: restart the whole job after a failure, up to N times "
-                     "(failurePolicy.maxRestarts); with --ps a failed worker pod is replaced alone")
+                     "(failurePolicy.maxRestarts); with --ps a failed worker pod is replaced alone. "
+                     "Preemptions (exit 143, pod condition DisruptionTarget) restart it uncounted")
     k8s.add_argument("--port", type=_number_type(int, "in 1..65535", lambda v: 1 <= v <= 65535),
                      default=2222, help="the port every task listens on (default 2222)")
     k8s.add_argument("--restart-policy", default=None, choices=["OnFailure", "Always", "Never", "ExitCode"],

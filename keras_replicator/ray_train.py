@@ -7,7 +7,9 @@ Ray and Keras need between them is here:
 * `ReportCheckpoint`: a Keras callback that reports each epoch's metrics to Ray Train with
   the chief's checkpoint (weights, optimizer state, the epoch), and on a restart
   (`FailureConfig(max_failures=...)`) resumes `fit` from `ray.train.get_checkpoint()` at the
-  next epoch.
+  next epoch. Also when Ray Train v2 restarts an elastic run
+  (`ScalingConfig(num_workers=(min, max))`) with fewer or more workers: the checkpoint is the
+  whole model's, which any number of replicas loads (the global batch is kept).
 * `dataset_shard`: this worker's Ray Data shard (`ray.train.get_dataset_shard`) as the input
   of `fit`, not sharded a second time: every example of the Ray dataset is seen once per
   epoch over the job.

@@ -1,11 +1,13 @@
 """The training script tests/test_launch_training.py starts with ``keras-replicator launch``.
 
-Usage: ``python tests/launched_job.py OUT_DIR EPOCHS [--crash]``. It calls
+Usage: ``python tests/launched_job.py OUT_DIR EPOCHS [--crash] [--keep-failing]``. It calls
 ``kr.simulate_devices(1)`` itself (the launcher's ``--devices-per-worker`` wins),
 trains with ``BackupAndRestore`` and ``Throughput``, saves with ``kr.save_model`` and
 writes what it saw to ``OUT_DIR/worker{i}.restart{r}.json``. With ``--crash``, worker 1
 of the first start dies at the beginning of epoch 2, so that ``--max-restarts``
-restarts the job, which resumes from the chief's backup.
+restarts the job, which resumes from the chief's backup. With ``--keep-failing`` too,
+worker 1 fails again at every restart, before it joins the cluster: an elastic job
+(``--workers 1:2``) leaves it out and goes on with worker 0 alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ if ROOT not in sys.path:
 
 import keras_replicator as kr  # noqa: E402
 
+if ("--keep-failing" in sys.argv and os.environ.get("KERAS_REPLICATOR_WORKER_INDEX") == "1"
+        and os.environ.get("KERAS_REPLICATOR_RESTART_COUNT", "0") != "0"):
+    sys.exit(4)  # it cannot be restarted (a broken device, say)
 kr.simulate_devices(1)  # as a script written for one machine does
 strategy = kr.ReplicatorStrategy(failure_timeout=10)
 
@@ -39,13 +44,20 @@ def main(out_dir: str, epochs: int, crash: bool) -> None:
         model.compile(keras.optimizers.SGD(0.05), "mse")
         replicas_in_scope = kr.num_replicas()
     epochs_run: list[int] = []
+    first_step_at: list[float] = []
 
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if crash and restart == 0 and strategy.worker_index == 1 and epoch == 2:
                 time.sleep(3)  # the chief has finished writing epoch 1's backup
+                with open(os.path.join(out_dir, "crashed_at"), "w") as f:
+                    f.write(repr(time.time()))
                 os._exit(3)
             epochs_run.append(epoch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not first_step_at:
+                first_step_at.append(time.time())
 
     throughput = kr.callbacks.Throughput()
     history = model.fit(
@@ -55,6 +67,8 @@ def main(out_dir: str, epochs: int, crash: bool) -> None:
     wrote = kr.save_model(model, os.path.join(out_dir, "final.keras"))
     report = {
         "worker_index": strategy.worker_index,
+        "num_workers": strategy.num_workers,
+        "first_step_at": first_step_at[0] if first_step_at else None,
         "restart": restart,
         "replicas_in_scope": replicas_in_scope,
         "replicas_outside": kr.num_replicas(),

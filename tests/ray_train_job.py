@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 _STRATEGY = []
@@ -140,3 +141,141 @@ def ray_data_loop(config: dict) -> None:
     history = model.fit(train, epochs=config["data_epochs"], verbose=0, callbacks=[Epochs()])
     with open(os.path.join(config["out"], f"ray_data.worker{rank}.json"), "w") as f:
         json.dump({"ids_per_epoch": seen, "loss": history.history["loss"]}, f)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
+def elastic_loop(config: dict) -> None:
+    """`regression_loop`'s job on an elastic worker group (``ScalingConfig(num_workers=(1, 2))``).
+
+    Run by `elastic_run`. The first group has 2 workers, one on each Ray node. At the beginning of
+    ``config["shrink_at"]``, the worker that is not on the head node writes ``remove_my_node`` and
+    waits: the driver removes its node, and Ray goes on with 1 worker from the last checkpoint.
+    With ``config["grow_at"]``, that 1-worker group writes ``add_a_node`` at the end of that
+    epoch and waits: the driver adds a node back, and Ray resizes the group to 2 workers. Each
+    group's workers write ``elastic.of{workers}.from{restored epoch}.worker{rank}.json``.
+    """
+    from keras_replicator import ray_train
+
+    ray_train.undo_legacy_keras()
+    import keras
+    import ray
+    import ray.train
+
+    from tests.helpers import (
+        LAUNCHED_JOB_BATCH,
+        LAUNCHED_JOB_EXAMPLES,
+        dense_model,
+        regression_data,
+    )
+
+    strategy = _strategy()
+    context = ray.train.get_context()
+    rank, workers = context.get_world_rank(), context.get_world_size()
+    on_head = ray.get_runtime_context().get_node_id() == config["head_node"]
+    out = config["out"]
+    x, y = regression_data(LAUNCHED_JOB_EXAMPLES)
+    with strategy.scope():
+        model = dense_model()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    report = ray_train.ReportCheckpoint()
+    epochs_done: list[int] = []
+    first_step_at: list[float] = []
+
+    def write() -> None:  # at every epoch's end: a group that Ray stops leaves what it did
+        name = f"elastic.of{workers}.from{report.restored_epoch}.worker{rank}.json"
+        with open(os.path.join(out, name), "w") as f:
+            json.dump({"num_workers": strategy.num_workers, "num_replicas": strategy.num_replicas_in_sync,
+                       "tf_config": json.loads(os.environ["TF_CONFIG"]), "on_head": on_head,
+                       "restored_epoch": report.restored_epoch, "epochs_done": epochs_done,
+                       "first_step_at": first_step_at[0], "weights": [w.tolist() for w in model.get_weights()]}, f)
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if (workers == 2 and report.restored_epoch is None and epoch == config["shrink_at"]
+                    and not on_head):
+                time.sleep(5)  # time for Ray's controller to register the last report
+                _touch(os.path.join(out, "remove_my_node"))
+                time.sleep(600)  # the driver removes this node, and this process with it
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not first_step_at:
+                first_step_at.append(time.time())
+
+        def on_epoch_end(self, epoch, logs=None):
+            epochs_done.append(epoch)
+            write()
+            if workers == 1 and epoch == config.get("grow_at"):
+                time.sleep(2)  # time for Ray's controller to register this epoch's report
+                _touch(os.path.join(out, "add_a_node"))
+                deadline = time.monotonic() + config["grow_wait"]
+                while time.monotonic() < deadline:  # Ray resizes the group: this process ends
+                    time.sleep(1)
+
+    model.fit(x, y, batch_size=LAUNCHED_JOB_BATCH, epochs=config["epochs"], shuffle=False,
+              verbose=0, callbacks=[report, Record()])
+
+
+def elastic_run(out: str, epochs: int, shrink_at: int, grow_at: int | None, monitor_s: float) -> None:
+    """The driver of `elastic_loop`: a 2-node Ray cluster on 127.0.0.1 whose nodes it removes and adds.
+
+    Run in its own interpreter (Ray's driver state is per process), with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in its environment. Each node has one CPU, each
+    worker takes one: a node removed is a worker's resources gone. Writes ``result.json``.
+    """
+    from keras_replicator import ray_train
+
+    os.environ.update(ray_train.LOOPBACK_ENV)
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    node_args = {"num_cpus": 1, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+    try:
+        second = cluster.add_node(**node_args)
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {**ray_train.LOOPBACK_ENV, "PYTHONPATH": os.environ["PYTHONPATH"],
+                                           "TF_CPP_MIN_LOG_LEVEL": "3",
+                                           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}})
+        addresses = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+        head = ray.get_runtime_context().get_node_id()
+        config = {"out": out, "epochs": epochs, "shrink_at": shrink_at, "grow_at": grow_at,
+                  "grow_wait": 300, "head_node": head}
+        trainer = TensorflowTrainer(
+            elastic_loop, train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1},
+                                         elastic_resize_monitor_interval_s=monitor_s),
+            run_config=RunConfig(storage_path=os.path.join(out, "storage"), name="elastic",
+                                 failure_config=FailureConfig(max_failures=1)),
+        )
+        results = []
+        started = time.time()
+        fit = threading.Thread(target=lambda: results.append(trainer.fit()), daemon=True)
+        fit.start()
+        # Nodes are added and removed here: Ray's Node installs signal handlers (main thread only).
+        events: dict[str, float] = {}
+        wanted = [("remove_my_node", "removed")] + ([("add_a_node", "added")] if grow_at is not None else [])
+        for marker, event in wanted:
+            while fit.is_alive() and not os.path.exists(os.path.join(out, marker)):
+                time.sleep(0.2)
+            if not fit.is_alive():
+                break
+            events[event] = time.time()
+            if event == "removed":
+                cluster.remove_node(second)
+            else:
+                cluster.add_node(**node_args)
+        fit.join()
+        (result,) = results
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"error": None if result.error is None else str(result.error), "addresses": addresses,
+                       "started": started, "ended": time.time(), "events": events,
+                       "last_epoch": result.metrics.get("epoch")}, f)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

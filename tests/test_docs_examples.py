@@ -73,6 +73,7 @@ RUN_ELSEWHERE = {
     ("docs/optimizers.md", 0): "tests/test_optimizers.py",
     ("docs/optimizers.md", 1): "tests/test_optimizers.py",
     ("docs/ray.md", 0): "tests/test_ray_train.py",
+    ("docs/ray.md", 1): "tests/test_ray_train.py",
 }
 RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),

@@ -116,7 +116,7 @@ def test_workers_jobset(capsys):
     assert manifest["metadata"] == {"name": "resnet", "namespace": "research"}
     spec = manifest["spec"]
     assert spec["network"]["enableDNSHostnames"] is True
-    assert spec["failurePolicy"] == {"maxRestarts": 2}
+    assert spec["failurePolicy"]["maxRestarts"] == 2
     assert spec["successPolicy"] == {"operator": "All"}
     (worker,) = spec["replicatedJobs"]
     assert worker["name"] == "worker" and worker["replicas"] == 3
@@ -201,6 +201,132 @@ def test_bad_arguments_from_python(kwargs, message):
         k8s_manifest("t.py", **{"workers": 2, "image": "img:1", **kwargs})
 
 
+# --- Preemptions restart without counting ------------------------------------------------------
+
+# What the API servers check beyond the CRD's schema, from their sources: a Job's podFailurePolicy
+# (Kubernetes' batch validation, as the field descriptions in the CRD state it, and the
+# "onPodConditions[0].status: Required value" it answers without a status) and a JobSet's rules
+# (JobSet v0.12.0, pkg/webhooks/jobset_webhook.go: validOnJobFailureReasons, ruleNameRegexp).
+_JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                        "PodFailurePolicy"}
+_RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+
+
+def check_failure_rules(spec: dict) -> None:
+    """Checks a JobSet spec's failure rules and its Jobs' pod failure policies as the API servers would."""
+    names = [rule["name"] for rule in spec["failurePolicy"].get("rules", [])]
+    assert len(set(names)) == len(names) and all(_RULE_NAME.fullmatch(n) and len(n) <= 128 for n in names)
+    for rule in spec["failurePolicy"].get("rules", []):
+        assert set(rule.get("onJobFailureReasons", [])) <= _JOB_FAILURE_REASONS
+    for replicated in spec["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        assert job["template"]["spec"]["restartPolicy"] == "Never"  # required by a podFailurePolicy
+        rules = job["podFailurePolicy"]["rules"]
+        assert 1 <= len(rules) <= 20
+        for rule in rules:
+            assert rule["action"] in ("FailJob", "Ignore", "Count")  # FailIndex needs backoffLimitPerIndex
+            assert ("onExitCodes" in rule) != ("onPodConditions" in rule)  # one of them, not both
+            if "onExitCodes" in rule:
+                codes = rule["onExitCodes"]
+                assert codes["operator"] in ("In", "NotIn")
+                assert codes["values"] == sorted(set(codes["values"])) and 1 <= len(codes["values"]) <= 255
+                assert codes["operator"] != "In" or 0 not in codes["values"]
+            else:
+                for pattern in rule["onPodConditions"]:
+                    assert pattern["type"] and pattern["status"] in ("True", "False", "Unknown")
+
+
+def _outcome(spec: dict, replicated_job: str, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+    """What JobSet and the Job controller do when a pod of ``replicated_job`` fails, as they document it.
+
+    The Job: the first podFailurePolicy rule that matches (a pod condition with its status, or an
+    exit code) applies: FailJob fails the Job with reason PodFailurePolicy, Ignore replaces the pod
+    uncounted, Count (or no rule) counts it against backoffLimit, past which the Job fails with
+    BackoffLimitExceeded. The JobSet: the first failurePolicy rule whose onJobFailureReasons holds
+    the reason applies, else RestartJobSet, counted against maxRestarts.
+    """
+    (replicated,) = [r for r in spec["replicatedJobs"] if r["name"] == replicated_job]
+    job = replicated["template"]["spec"]
+    action = "Count"
+    for rule in job.get("podFailurePolicy", {}).get("rules", []):
+        if "onPodConditions" in rule:
+            matched = any(p["type"] in conditions and p["status"] == "True" for p in rule["onPodConditions"])
+        else:
+            matched = (exit_code in rule["onExitCodes"]["values"]) == (rule["onExitCodes"]["operator"] == "In")
+        if matched:
+            action = rule["action"]
+            break
+    if action == "Ignore":
+        return "pod replaced, not counted"
+    if action == "Count" and job["backoffLimit"] > 0:
+        return "pod replaced, counted"
+    reason = "PodFailurePolicy" if action == "FailJob" else "BackoffLimitExceeded"
+    for rule in spec["failurePolicy"].get("rules", []):
+        if reason in rule.get("onJobFailureReasons", [reason]):
+            return {"RestartJobSetAndIgnoreMaxRestarts": "restart, not counted", "RestartJobSet": "restart, counted",
+                    "FailJobSet": "fail"}[rule["action"]]
+    return "restart, counted"
+
+
+def test_the_preemption_exit_code_is_the_one_workers_exit_with():
+    from keras_replicator._compat import preemption
+    from keras_replicator.launch import kubernetes
+
+    assert kubernetes.PREEMPTION_EXIT_CODE == preemption.EXIT_CODE == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("ps", [0, 2])
+def test_preemptions_restart_without_counting(ps, capsys):
+    assert main(["k8s", "--workers", "3", "--ps", str(ps), "--max-restarts", "2", "--image", "img:1", "t.py"]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    check_jobset(manifest)
+    spec = manifest["spec"]
+    check_failure_rules(spec)
+    assert spec["failurePolicy"] == {"maxRestarts": 2, "rules": [
+        {"name": "PreemptionRestartsUncounted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+         "onJobFailureReasons": ["PodFailurePolicy"]}]}
+    restarting = ["chief", "ps"] if ps else ["worker"]
+    for name in restarting:
+        # Preempted: our SIGTERM exit, or evicted/preempted/node drained (killed at the grace period's end: 137).
+        assert _outcome(spec, name, 143) == "restart, not counted"
+        assert _outcome(spec, name, 137, ("DisruptionTarget",)) == "restart, not counted"
+        # Real failures count: an error, an OOM kill, a SIGKILL with no disruption.
+        for code in (1, 2, 137, 139):
+            assert _outcome(spec, name, code) == "restart, counted"
+    if ps:  # a worker pod is replaced alone, and a preempted one without counting against backoffLimit
+        assert _outcome(spec, "worker", 143) == "pod replaced, not counted"
+        assert _outcome(spec, "worker", 1, ("DisruptionTarget",)) == "pod replaced, not counted"
+        assert _outcome(spec, "worker", 1) == "pod replaced, counted"
+    # The model of the controllers can tell: without the rules every preemption counts.
+    plain = copy.deepcopy(spec)
+    del plain["failurePolicy"]["rules"]
+    for replicated in plain["replicatedJobs"]:
+        del replicated["template"]["spec"]["podFailurePolicy"]
+    assert _outcome(plain, restarting[0], 143) == "restart, counted"
+
+
+def test_the_failure_rules_check_can_fail():
+    good = manifests(KubernetesJob("t.py", workers=2, image="i:1"))[0]["spec"]
+    rules = ["failurePolicy", "rules", 0]
+    pod_rules = ["replicatedJobs", 0, "template", "spec", "podFailurePolicy", "rules"]
+    for path, value in [([*rules, "name"], "preemption-uncounted"),                  # '-' not allowed
+                        ([*rules, "onJobFailureReasons"], ["Preempted"]),            # not a Job failure reason
+                        ([*pod_rules, 0, "onPodConditions", 0, "status"], None),     # status required
+                        ([*pod_rules, 1, "onExitCodes", "values"], [143, 0]),        # unordered, 0 with In
+                        ([*pod_rules, 1, "onPodConditions"], []),                    # both requirements
+                        (["replicatedJobs", 0, "template", "spec", "template", "spec", "restartPolicy"], "OnFailure")]:
+        bad = copy.deepcopy(good)
+        node = bad
+        for key in path[:-1]:
+            node = node[key]
+        if value is None:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+        with pytest.raises((AssertionError, KeyError)):
+            check_failure_rules(bad)
+
+
 # --- TFJob and TrainJob --------------------------------------------------------------------------
 
 
@@ -242,7 +368,11 @@ def test_trainjob_and_its_runtime(capsys):
     assert node["name"] == "node"  # Kubeflow Trainer's trainer step: its container is "node" too
     assert node["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
     assert node["template"]["spec"]["template"]["spec"]["containers"][0]["name"] == "node"
-    assert template["failurePolicy"] == {"maxRestarts": 1}
+    assert template["failurePolicy"]["maxRestarts"] == 1
+    # Trainer builds the JobSet from the runtime's template, rules included: preemptions are not counted.
+    check_failure_rules(template)
+    assert _outcome(template, "node", 143) == "restart, not counted"
+    assert _outcome(template, "node", 1) == "restart, counted"
     # What the pods of the JobSet Trainer makes get (the TrainJob's env joins the runtime's) resolves:
     # one Job of 3 pods, pod i being worker i.
     env = _env_of(node["template"]["spec"]["template"]["spec"]["containers"][0])

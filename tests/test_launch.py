@@ -37,7 +37,7 @@ from keras_replicator.launch import (
     split_address,
     tf_config,
 )
-from keras_replicator.launch.supervisor import Action
+from keras_replicator.launch.supervisor import Action, Console, Supervisor, WorkerSpec
 from tests.helpers import ROOT
 
 
@@ -515,6 +515,62 @@ def test_each_local_worker_gets_its_gpus(tmp_path, monkeypatch):
     assert lines_of(result.stdout, 0) == ["gpus 4"] and lines_of(result.stdout, 1) == ["gpus 5"]
 
 
+# --- An elastic job (--workers MIN:MAX): a worker that keeps failing is left out -------------
+
+
+BROKEN_GPU = """
+    import json, os, sys, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    gpu = os.environ["CUDA_VISIBLE_DEVICES"]
+    print("worker", os.environ["KERAS_REPLICATOR_WORKER_INDEX"], "restart",
+          os.environ["KERAS_REPLICATOR_RESTART_COUNT"], "gpu", gpu, "of", len(config["cluster"]["worker"]),
+          "index", config["task"]["index"])
+    if gpu in os.environ.get("BROKEN", "").split(","):
+        sys.exit(int(os.environ.get("CODE", "5")))  # its GPU is broken: it fails at every start
+    time.sleep(1)
+"""
+
+
+def test_an_elastic_job_goes_on_without_a_worker_that_keeps_failing(tmp_path):
+    logs = tmp_path / "logs"
+    out = io.StringIO()
+    code = launch(script(tmp_path, BROKEN_GPU), workers="2:3", max_restarts=3, gpus=["0", "1", "2"],
+                  env={"BROKEN": "1"}, log_dir=str(logs), output=out, grace=1)
+    text = out.getvalue()
+    assert code == 0, text
+    # Start 0 and restart 1: 3 workers, worker 1 (GPU 1) fails first both times; then it is left out.
+    assert text.count("[launcher] worker 1 exited with code 5; stopping the others") == 1
+    assert ("[launcher] worker 1 exited with code 5, the first to fail on 2 starts in a row: stopping the "
+            "others and leaving it out; the job goes on with 2 worker(s) (at least 2)") in text
+    assert "[launcher] restarting every worker (restart 2 of 3)" in text
+    assert "restart 3 of 3" not in text
+    # Restart 2: the others, renumbered, each with its own GPU, in a cluster of 2.
+    last = [line for i in range(3) for line in lines_of(text, i) if "restart 2" in line]
+    assert sorted(last) == ["worker 0 restart 2 gpu 0 of 2 index 0", "worker 1 restart 2 gpu 2 of 2 index 1"]
+    # Each slot keeps its log: GPU 2's worker wrote worker_2.log at every start, as worker 1 at the last.
+    log = (logs / "worker_2.log").read_text()
+    assert "worker 2 restart 0 gpu 2 of 3" in log and "worker 1 restart 2 gpu 2 of 2" in log
+
+
+def test_an_elastic_job_never_goes_below_min_nor_blames_a_preemption(tmp_path):
+    # At MIN already, it restarts with every worker until max_restarts, as a plain job does.
+    out = io.StringIO()
+    assert launch(script(tmp_path, BROKEN_GPU), workers="2:2", max_restarts=2, gpus=["0", "1"],
+                  env={"BROKEN": "1"}, output=out, grace=1) == 5
+    assert out.getvalue().count("[launcher] worker 1 exited with code 5; stopping the others") == 3
+    assert "leaving it out" not in out.getvalue()
+    # A worker that exits with 143 (preempted: it saved) is not to blame, however often.
+    out = io.StringIO()
+    assert launch(script(tmp_path, BROKEN_GPU), workers="1:2", max_restarts=2, gpus=["0", "1"],
+                  env={"BROKEN": "1", "CODE": "143"}, output=out, grace=1) == 143
+    assert "leaving it out" not in out.getvalue()
+    # A failure after a preemption starts a new row: 143, 5, 143, 5 never makes two in a row.
+    supervisor = Supervisor(WorkerSpec(["true"], {}), [("worker", 0), ("worker", 1)],
+                            RestartPolicy(max_restarts=9, min_workers=1), Console(io.StringIO()))
+    assert [supervisor._blame(("worker", 1), c) for c in (5, 143, 5, 5, 1)] == [1, 0, 1, 2, 3]
+    assert supervisor._blame(("worker", 0), 1) == 1 and supervisor._blame(("worker", 1), 1) == 1
+
+
 # --- Parameter-server jobs: chief + workers + ps, a failed worker restarted alone --------------
 
 
@@ -685,6 +741,62 @@ def test_restart_policy():
         assert ps.after_failure(task, task_restarts=0, job_restarts=0) is Action.END
     with pytest.raises(ValueError, match="max_restarts"):
         RestartPolicy(max_restarts=-1)
+    # Elastic: a worker that failed first on worker_failures starts in a row is left out, down to MIN.
+    elastic = RestartPolicy(max_restarts=3, min_workers=2, worker_failures=2)
+    assert elastic.after_failure(("worker", 1), 0, 0, failures_in_a_row=1, workers=3) is Action.RESTART_JOB
+    assert elastic.after_failure(("worker", 1), 0, 1, failures_in_a_row=2, workers=3) is Action.SHRINK
+    assert elastic.after_failure(("worker", 1), 0, 1, failures_in_a_row=2, workers=2) is Action.RESTART_JOB
+    assert elastic.after_failure(("worker", 1), 0, 3, failures_in_a_row=2, workers=3) is Action.END
+    assert sync.after_failure(("worker", 1), 0, 0, failures_in_a_row=5, workers=3) is Action.RESTART_JOB
+    for kwargs in ({"min_workers": 0}, {"worker_failures": 0}, {"min_workers": 1, "parameter_servers": True}):
+        with pytest.raises(ValueError):
+            RestartPolicy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workers": "4:1"}, "workers MIN:MAX needs MIN <= MAX, got '4:1'"),
+        ({"workers": "0:2"}, "workers MIN:MAX needs MIN >= 1, got '0:2'"),
+        ({"workers": "1:"}, "workers must be N or MIN:MAX with positive integers such as '2:4', got '1:'"),
+        ({"workers": "1:2:3"}, "workers must be N or MIN:MAX"),
+        ({"workers": "-1:2"}, "workers must be N or MIN:MAX"),
+        ({"workers": 2, "min_workers": 3}, "workers='MIN:MAX' needs MIN <= MAX, got 3:2"),
+        ({"workers": 2, "min_workers": 0}, "min_workers must be a positive integer, got 0"),
+        ({"workers": "1:2", "min_workers": 1}, "workers='1:2' already gives min_workers"),
+        ({"workers": "1:2", "ps": 1}, "workers='MIN:MAX' (--workers MIN:MAX) is for a synchronous job on one"),
+        ({"workers": "1:2", "nnodes": 2, "master": "h:1", "node_rank": 0}, "not with hosts=, nnodes="),
+        ({"workers": 2, "worker_failures": 2}, "worker_failures (--worker-failures) applies to an elastic job"),
+        ({"workers": "1:2", "worker_failures": 0}, "worker_failures must be a positive integer, got 0"),
+    ],
+)
+def test_bad_elastic_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LaunchConfig(script(tmp_path, "print(1)\n"), **kwargs)
+
+
+def test_elastic_arguments_from_the_command_line(tmp_path, capsys):
+    from keras_replicator.__main__ import build_parser, config_from_args
+
+    path = script(tmp_path, "print(1)\n")
+    config = config_from_args(build_parser().parse_args(["launch", "--workers", "2:4", path]))
+    assert (config.min_workers, config.workers, config.worker_failures) == (2, 4, 2)
+    assert config == LaunchConfig(path, workers="2:4") == LaunchConfig(path, workers=4, min_workers=2)
+    config = config_from_args(build_parser().parse_args(["launch", "--workers", "3", path]))
+    assert (config.min_workers, config.workers, config.worker_failures) == (None, 3, None)
+    for args, message in [(["--workers", "3:2"], "argument --workers: workers MIN:MAX needs MIN <= MAX, got '3:2'"),
+                          (["--workers", "a:2"], "argument --workers: workers must be N or MIN:MAX"),
+                          (["--workers", "2", "--worker-failures", "3"], "worker_failures (--worker-failures) "
+                           "applies to an elastic job"),
+                          (["--hosts", "a:1,b:1", "--node-rank", "0", "--workers", "1:2"], "Give either workers=")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["launch", *args, path])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    # k8s takes a number of pods only.
+    with pytest.raises(SystemExit):
+        main(["k8s", "--workers", "1:2", "--image", "i:1", "t.py"])
+    assert "argument --workers: '1:2' is not an integer" in capsys.readouterr().err
 
 
 def test_one_address_parser():

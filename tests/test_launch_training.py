@@ -70,6 +70,33 @@ def test_max_restarts_resumes_from_the_backup(tmp_path):
     _check_job(reports, 4, tmp_path)
 
 
+def test_an_elastic_job_goes_on_with_the_survivor_from_the_backup(tmp_path):
+    """``--workers 1:2``: worker 1 dies in epoch 2, then fails at every restart; the job goes on alone."""
+    command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "1:2", "--devices-per-worker", "2",
+               "--max-restarts", "2", "--grace", "1", "--timeout", str(TIMEOUT), JOB, str(tmp_path), "4",
+               "--crash", "--keep-failing"]
+    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT + 60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "[launcher] worker 1 exited with code 3; stopping the others" in output
+    assert ("[launcher] worker 1 exited with code 4, the first to fail on 2 starts in a row: stopping the others "
+            "and leaving it out; the job goes on with 1 worker(s) (at least 1)") in output
+    assert "[launcher] restarting every worker (restart 2 of 2)" in output
+    (report,) = [_report(tmp_path, 0, 2)]
+    assert not os.path.exists(os.path.join(tmp_path, "worker1.restart2.json"))
+    # The survivor alone: 1 worker x 2 replicas instead of 2 x 2, the global batch kept.
+    assert (report["num_workers"], report["replicas_in_scope"], report["wrote"]) == (1, 2, True)
+    # It resumed from the backup of 2 workers: epochs 0 and 1 were not run again.
+    assert report["epochs_run"] == [2, 3]
+    saved = keras.saving.load_model(os.path.join(tmp_path, "final.keras"))
+    for a, s, want in zip(report["weights"], saved.get_weights(), _reference(4)):
+        np.testing.assert_array_equal(s, a)
+        np.testing.assert_allclose(a, want, atol=2e-5, rtol=1e-4)
+    with open(os.path.join(tmp_path, "crashed_at")) as f:
+        gap = report["first_step_at"] - float(f.read())
+    print(f"elastic shrink: worker 1 died -> the survivor's first step after {gap:.1f} s")
+
+
 def test_two_hosts_on_127_0_0_1(tmp_path):
     (port,) = free_ports(1)
     launchers = [

@@ -3,7 +3,9 @@
 Two workers of one CPU each; the train loops are in tests/ray_train_job.py. Checked: the same
 weights as the same job under ``keras-replicator launch`` (and one device); a worker SIGKILLed
 mid-run with ``FailureConfig(max_failures=1)`` -> every epoch runs, resumed from Ray's
-checkpoint; a Ray Data shard per worker fed to ``fit`` is seen exactly once over the job.
+checkpoint; a Ray Data shard per worker fed to ``fit`` is seen exactly once over the job; an
+elastic run (``num_workers=(1, 2)``) on two Ray nodes shrinks to one worker when a node is
+removed and grows back when one is added, every epoch run once, from Ray's checkpoints.
 """
 
 from __future__ import annotations
@@ -200,16 +202,89 @@ def run(ray, tmp_path_factory):
     return tmp, result, launched_weights, (guide_end, guide.seen)
 
 
-def _one_device_weights() -> list[np.ndarray]:
+def _one_device_weights(epochs: int = EPOCHS) -> list[np.ndarray]:
     x, y = regression_data(LAUNCHED_JOB_EXAMPLES)
     model = dense_model()
     model.compile(keras.optimizers.SGD(0.05), "mse")
-    model.fit(x, y, batch_size=LAUNCHED_JOB_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=LAUNCHED_JOB_BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model.get_weights()
 
 
 def _max_gap(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+ELASTIC_EPOCHS, SHRINK_AT, GROW_AT = 6, 2, 3
+
+
+def test_an_elastic_run_shrinks_when_a_node_goes_and_grows_when_one_comes(tmp_path):
+    """Ray Train v2, `ScalingConfig(num_workers=(1, 2))`, on a 2-node Ray cluster on 127.0.0.1.
+
+    Defined before the tests that start the module's Ray instance, so that it runs alone: its
+    driver is a fresh interpreter (tests/ray_train_job.py `elastic_run`) that starts the nodes'
+    processes itself, removes the node of one worker in epoch 2 and adds a node back after
+    epoch 3. Nothing of it is left running afterwards.
+    """
+    out = tmp_path / "elastic"
+    out.mkdir()
+    code = (f"from tests.ray_train_job import elastic_run\n"
+            f"elastic_run({str(out)!r}, {ELASTIC_EPOCHS}, {SHRINK_AT}, {GROW_AT}, 5.0)\n")
+    driver = _Watched([sys.executable, "-c", code], ROOT, _env())
+    returncode, _, stderr, left = driver.finish(timeout=900)
+    assert returncode == 0, stderr[-4000:]
+    assert {"raylet", "gcs_server"} <= set(driver.seen.values()) and not left, left
+    with open(out / "result.json") as f:
+        result = json.load(f)
+    assert result["error"] is None and result["last_epoch"] == ELASTIC_EPOCHS - 1
+    assert result["addresses"] == ["127.0.0.1", "127.0.0.1"]  # two nodes, both on loopback
+
+    def group(workers: int, restored) -> list[dict]:
+        reports = []
+        for rank in range(workers):
+            with open(out / f"elastic.of{workers}.from{restored}.worker{rank}.json") as f:
+                reports.append(json.load(f))
+        return reports
+
+    first, shrunk, grown = group(2, None), group(1, SHRINK_AT), group(2, GROW_AT + 1)
+    # Every epoch ran once: 2 workers, then 1 from the checkpoint of the epoch before the node
+    # went, then 2 again from the last checkpoint of the one worker.
+    assert [r["epochs_done"] for r in first] == [list(range(SHRINK_AT))] * 2
+    assert shrunk[0]["epochs_done"] == list(range(SHRINK_AT, GROW_AT + 1))
+    assert [r["epochs_done"] for r in grown] == [list(range(GROW_AT + 1, ELASTIC_EPOCHS))] * 2
+    assert sorted(r["on_head"] for r in first) == [False, True] and shrunk[0]["on_head"]
+    for reports, workers in ((first, 2), (shrunk, 1), (grown, 2)):
+        for rank, report in enumerate(reports):
+            assert (report["num_workers"], report["num_replicas"]) == (workers, workers)
+            assert report["tf_config"]["task"]["index"] == rank
+            assert all(a.startswith("127.0.0.1:") for a in report["tf_config"]["cluster"]["worker"])
+    # The global batch is kept: 2, 1 and 2 replicas compute the same mean gradient.
+    assert grown[0]["weights"] == grown[1]["weights"]
+    reference = _one_device_weights(ELASTIC_EPOCHS)
+    print(f"elastic Ray run: max |weights - one device| = {_max_gap(grown[0]['weights'], reference):.3g}; "
+          f"shrink: node removed -> first step of 1 worker {shrunk[0]['first_step_at'] - result['events']['removed']:.1f} s; "
+          f"grow: node added -> first step of 2 workers {grown[0]['first_step_at'] - result['events']['added']:.1f} s; "
+          f"whole run {result['ended'] - result['started']:.0f} s")
+    for got, want in zip(grown[0]["weights"], reference):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_guides_elastic_trainer_is_a_v2_elastic_one():
+    """docs/ray.md's elastic block builds Ray Train v2's trainer (Ray 2.60's default), elastic."""
+    code = ("import os\nos.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0'\n"
+            "from tests.helpers import python_blocks\n"
+            "ns = {'train_loop': lambda config: None, 'dataset': None}\n"
+            "exec(python_blocks('docs/ray.md')[1], ns)\n"
+            "t = ns['trainer']\n"
+            "print(type(t).__module__, t.scaling_config.num_workers, t.scaling_config.elasticity_enabled,\n"
+            "      t.scaling_config.elastic_resize_monitor_interval_s, t.run_config.failure_config.max_failures,\n"
+            "      t.train_loop_config['global_batch'])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    module, low, high, elastic, interval, failures, batch = result.stdout.split()
+    assert module == "ray.train.v2.tensorflow.tensorflow_trainer" and (low, high) == ("(1,", "4)")
+    assert (elastic, float(interval), int(failures)) == ("True", 60.0, 3)
+    assert all(int(batch) % workers == 0 for workers in range(1, 5))  # every size of the run
 
 
 def test_two_ray_workers_train_as_the_launcher_does(run):

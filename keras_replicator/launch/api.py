@@ -26,7 +26,7 @@ def launch(
     script: str | LaunchConfig,
     args: Sequence[str] = (),
     *,
-    workers: int | None = None,
+    workers: int | str | None = None,
     devices_per_worker: int | None = None,
     host: str = "127.0.0.1",
     hosts: str | Sequence[tuple[str, int]] | None = None,
@@ -46,6 +46,8 @@ def launch(
     python: str = sys.executable,
     output: TextIO | None = None,
     module: bool = False,
+    min_workers: int | None = None,
+    worker_failures: int | None = None,
 ) -> int:
     """Runs ``script`` as the local worker processes of one multi-worker job.
 
@@ -83,7 +85,12 @@ def launch(
         script: path of the Python script every worker runs (with ``module``, a
             module name).
         args: command-line arguments for the script.
-        workers: number of worker processes on this machine (a one-machine job).
+        workers: number of worker processes on this machine (a one-machine job),
+            or ``"MIN:MAX"``: an elastic job of ``MAX`` workers that goes on
+            with fewer, down to ``MIN``, when a worker cannot be restarted (it
+            was the first to fail on ``worker_failures`` starts in a row): the
+            job restarts without it, the others renumbered, and
+            ``BackupAndRestore`` resumes it (see `RestartPolicy`).
         devices_per_worker: simulate this many CPU devices in each worker (sets
             ``KERAS_REPLICATOR_DEVICES_PER_WORKER``; it takes precedence over the
             script's own `kr.simulate_devices` call). ``None``: the real devices.
@@ -126,6 +133,11 @@ def launch(
         output: where worker output goes (default ``sys.stdout``).
         module: ``script`` is a module that every worker runs as
             ``python -m script`` (as torchrun's ``-m``).
+        min_workers: ``MIN`` of ``workers="MIN:MAX"``, given apart
+            (``workers`` being then ``MAX``).
+        worker_failures: an elastic job leaves out a worker that was the first
+            to fail on this many starts in a row (default 2: it failed, and
+            failed again after a restart).
 
     Returns:
         0 when every local worker succeeded, else the exit code of the last
@@ -151,7 +163,8 @@ def launch(
         logs = {t: open(os.path.join(config.log_dir, f"{t[0]}_{t[1]}.log"), "w") for t in tasks}
     try:
         spec = WorkerSpec(config.command, spec_env, config.devices_per_worker, gpus_of, config.tee, logs)
-        policy = RestartPolicy(config.max_restarts, parameter_servers=config.ps > 0)
+        policy = RestartPolicy(config.max_restarts, parameter_servers=config.ps > 0,
+                               min_workers=config.min_workers, worker_failures=config.worker_failures or 2)
         return Supervisor(spec, tasks, policy, console, config.grace, config.timeout).run(cluster)
     finally:
         for f in logs.values():

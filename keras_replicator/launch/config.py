@@ -6,7 +6,8 @@ a dataclass checked in ``__post_init__``, which the command line
 gets its error before any process starts. A job is one of three kinds:
 
 - one machine: ``workers=N`` (with ``ps=M``: a chief, ``N`` workers and ``M``
-  parameter servers);
+  parameter servers; with ``workers="MIN:MAX"``, an elastic job that starts
+  ``MAX`` workers and may go on with as few as ``MIN``);
 - several machines listed up front: ``hosts="h1:2,h2:2"`` and this node's
   ``node_rank``;
 - several machines that find each other: ``nnodes``, ``master`` (node 0's
@@ -32,8 +33,9 @@ class LaunchConfig:
 
     Every field is as in `launch` (which builds one); after construction
     ``args`` is a tuple, ``hosts`` a tuple of ``(host, count)`` pairs,
-    ``node_rank`` an integer (0 for a one-machine job) and ``gpus`` a tuple of
-    strings (or ``None``: detect them).
+    ``node_rank`` an integer (0 for a one-machine job), ``gpus`` a tuple of
+    strings (or ``None``: detect them), and ``workers="MIN:MAX"`` is
+    ``workers=MAX, min_workers=MIN`` (with ``worker_failures`` 2 unless given).
 
     Example:
         ```python
@@ -42,12 +44,14 @@ class LaunchConfig:
         config.mode       # 'workers'
         config.command    # [sys.executable, '-m', 'json.tool', '--help']
         # launch(config) runs it; LaunchConfig(..., workers=0) raises before anything starts.
+        elastic = LaunchConfig("json.tool", module=True, workers="1:4")
+        (elastic.min_workers, elastic.workers, elastic.worker_failures)   # (1, 4, 2)
         ```
     """
 
     script: str
     args: Sequence[str] = ()
-    workers: int | None = None
+    workers: int | str | None = None
     devices_per_worker: int | None = None
     host: str = "127.0.0.1"
     hosts: str | Sequence[tuple[str, int]] | None = None
@@ -66,9 +70,17 @@ class LaunchConfig:
     timeout: float | None = None
     python: str = sys.executable
     module: bool = False
+    min_workers: int | None = None
+    worker_failures: int | None = None
 
     def __post_init__(self) -> None:
         self._check_what_runs()
+        if isinstance(self.workers, str):
+            if self.min_workers is not None:
+                raise ValueError(f"workers={self.workers!r} already gives min_workers; give one of them.")
+            minimum, maximum = parse_worker_range(self.workers)
+            self._set("workers", maximum)
+            self._set("min_workers", minimum)
         self._set("devices_per_worker", check_int("devices_per_worker", self.devices_per_worker, minimum=1,
                                                   optional=True))
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
@@ -88,6 +100,7 @@ class LaunchConfig:
             self._check_one_machine_job()
         else:
             self._check_static_job()
+        self._check_elastic()
         if self.gpus is not None:
             self._set("gpus", tuple(str(g) for g in self.gpus))
         self._set("env", dict(self.env or {}))
@@ -147,6 +160,26 @@ class LaunchConfig:
         self._set("hosts", tuple(nodes))
         cluster_addresses(nodes, self.port)  # checks the port and the port ranges
 
+    def _check_elastic(self) -> None:
+        """``min_workers``: a one-machine synchronous job that may shrink (`RestartPolicy`)."""
+        if self.min_workers is None:
+            if self.worker_failures is not None:
+                raise ValueError("worker_failures (--worker-failures) applies to an elastic job: "
+                                 "give workers='MIN:MAX' (--workers MIN:MAX).")
+            return
+        self._set("min_workers", check_int("min_workers", self.min_workers, minimum=1))
+        if self.mode != "workers" or self.ps:
+            raise ValueError(
+                "workers='MIN:MAX' (--workers MIN:MAX) is for a synchronous job on one machine: "
+                "not with hosts=, nnodes= (the nodes of a job on several machines do not find "
+                "each other again with fewer members) or ps= (a parameter-server job already "
+                "goes on without a failed worker)."
+            )
+        if self.min_workers > self.workers:
+            raise ValueError(f"workers='MIN:MAX' needs MIN <= MAX, got {self.min_workers}:{self.workers}.")
+        self._set("worker_failures", check_int("worker_failures", 2 if self.worker_failures is None
+                                               else self.worker_failures, minimum=1))
+
     @property
     def mode(self) -> str:
         """``"nnodes"`` (a rendezvous), ``"hosts"`` (a static host list) or ``"workers"`` (one machine)."""
@@ -157,6 +190,26 @@ class LaunchConfig:
         """What every task runs: the interpreter, the script (or ``-m module``) and its arguments."""
         run = [self.python, "-m", self.script] if self.module else [self.python, self.script]
         return [*run, *self.args]
+
+
+def parse_worker_range(text: str) -> tuple[int, int]:
+    """``"MIN:MAX"`` as ``(MIN, MAX)``, checked (``"4"`` is ``(4, 4)``).
+
+    Example:
+        ```python
+        from keras_replicator.launch.config import parse_worker_range
+        parse_worker_range("1:4")   # (1, 4); "4:1", "0:2" and "1:" raise ValueError
+        ```
+    """
+    parts = text.split(":") if isinstance(text, str) else []
+    if not 1 <= len(parts) <= 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"workers must be N or MIN:MAX with positive integers such as '2:4', got {text!r}.")
+    minimum, maximum = int(parts[0]), int(parts[-1])
+    if minimum < 1:
+        raise ValueError(f"workers MIN:MAX needs MIN >= 1, got {text!r}.")
+    if minimum > maximum:
+        raise ValueError(f"workers MIN:MAX needs MIN <= MAX, got {text!r}.")
+    return minimum, maximum
 
 
 def _check_module_name(name: object) -> None:

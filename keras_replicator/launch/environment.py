@@ -1,4 +1,4 @@
-"""The environment variables the launcher sets in every worker it starts."""
+"""The environment variables the launcher sets in every worker it starts, and the exit status it reads."""
 
 # Read by ReplicatorStrategy (through cluster.py) at creation: simulate this many
 # CPU devices per worker. The launcher sets it for --devices-per-worker.
@@ -8,3 +8,6 @@ WORKER_INDEX_ENV = "KERAS_REPLICATOR_WORKER_INDEX"
 # Set for each launched worker: 0 at the first start, k at the k-th restart (--max-restarts).
 RESTART_COUNT_ENV = "KERAS_REPLICATOR_RESTART_COUNT"
 
+# What a worker exits with after a preemption (SIGTERM during fit: it saved, "restart me"):
+# the value of keras_replicator._compat.preemption.EXIT_CODE (not imported: no TensorFlow here).
+PREEMPTED_EXIT_CODE = 143

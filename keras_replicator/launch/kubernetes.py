@@ -24,6 +24,7 @@ from typing import Any
 from keras_replicator import jobset as pod
 from keras_replicator._validation import check_int
 from keras_replicator.launch.config import _check_module_name
+from keras_replicator.launch.environment import PREEMPTED_EXIT_CODE
 
 KINDS = ("jobset", "tfjob", "trainjob")
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -35,6 +36,12 @@ TFJOB_RESTART_POLICIES = ("OnFailure", "Always", "Never", "ExitCode")
 # Kubeflow Trainer's names for the trainer step (pkg/constants/constants.go).
 _TRAINER_JOB = "node"
 _TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+# What a preempted pod shows: our own exit status after SIGTERM (128 + 15), and the
+# condition Kubernetes sets on a pod it evicts, preempts or deletes with its node.
+PREEMPTION_EXIT_CODE = PREEMPTED_EXIT_CODE
+DISRUPTION_CONDITION = "DisruptionTarget"
+# A JobSet rule's name: ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ (JobSet's CRD).
+PREEMPTION_RULE_NAME = "PreemptionRestartsUncounted"
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -74,7 +81,9 @@ class KubernetesJob:
         gpus_per_worker: ``nvidia.com/gpu`` limit of each chief and worker pod.
         max_restarts: JobSet and TrainJob: how many times a failure restarts
             the whole job (``failurePolicy.maxRestarts``); with ``ps``, also how
-            many times a failed worker pod is replaced alone.
+            many times a failed worker pod is replaced alone. Preemptions (exit
+            143, the pod condition ``DisruptionTarget``) restart it without
+            counting (`jobset_failure_policy`, `pod_failure_policy`).
         restart_policy: TFJob only: ``"OnFailure"`` (the default), ``"Always"``,
             ``"Never"`` or ``"ExitCode"``.
         python: the interpreter command inside the image.
@@ -203,13 +212,61 @@ def _job_template(job: KubernetesJob, replicated: pod.ReplicatedJob, container: 
     theirs. With parameter servers, a worker's Job replaces a failed pod alone
     (``backoffLimit: max_restarts``): the chief re-runs its steps elsewhere.
     """
-    alone = job.ps and replicated.task_type == "worker"
+    alone = bool(job.ps) and replicated.task_type == "worker"
     return {
         "parallelism": replicated.pods,
         "completions": replicated.pods,
         "completionMode": "Indexed",
         "backoffLimit": job.max_restarts if alone else 0,
+        "podFailurePolicy": pod_failure_policy(replaced_alone=alone),
+        # podFailurePolicy requires it (and a failed pod is not restarted in place anyway).
         "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
+    }
+
+
+def pod_failure_policy(replaced_alone: bool = False) -> dict[str, Any]:
+    """A Job's ``podFailurePolicy`` telling a preempted pod from a failed one.
+
+    A pod that exited with 143 (a worker stopped by SIGTERM, after saving) or
+    that carries the ``DisruptionTarget`` condition (evicted, preempted, its
+    node drained or gone) fails its Job with the reason ``PodFailurePolicy``,
+    which the JobSet's rule (`jobset_failure_policy`) restarts without counting
+    against ``maxRestarts``. Any other failure is counted as before
+    (``backoffLimit``). A parameter-server job's worker pod, which is replaced
+    alone, is instead replaced without counting against its ``backoffLimit``
+    (action ``Ignore``).
+
+    Example:
+        ```python
+        from keras_replicator.launch.kubernetes import pod_failure_policy
+        print([r["action"] for r in pod_failure_policy()["rules"]])   # ['FailJob', 'FailJob']
+        ```
+    """
+    action = "Ignore" if replaced_alone else "FailJob"
+    return {"rules": [
+        {"action": action, "onPodConditions": [{"type": DISRUPTION_CONDITION, "status": "True"}]},
+        {"action": action, "onExitCodes": {"operator": "In", "values": [PREEMPTION_EXIT_CODE]}},
+    ]}
+
+
+def jobset_failure_policy(max_restarts: int) -> dict[str, Any]:
+    """A JobSet's ``failurePolicy``: ``max_restarts`` real failures, preemptions not counted.
+
+    A Job failed by its ``podFailurePolicy`` (a preempted pod, see
+    `pod_failure_policy`) restarts the JobSet without counting
+    (``RestartJobSetAndIgnoreMaxRestarts``); any other failure takes JobSet's
+    default action, ``RestartJobSet``, counted against ``maxRestarts``.
+
+    Example:
+        ```python
+        from keras_replicator.launch.kubernetes import jobset_failure_policy
+        print(jobset_failure_policy(3)["rules"][0]["action"])   # RestartJobSetAndIgnoreMaxRestarts
+        ```
+    """
+    return {
+        "maxRestarts": max_restarts,
+        "rules": [{"name": PREEMPTION_RULE_NAME, "action": "RestartJobSetAndIgnoreMaxRestarts",
+                   "onJobFailureReasons": ["PodFailurePolicy"]}],
     }
 
 
@@ -227,7 +284,7 @@ def _jobset_spec(job: KubernetesJob, env: list[dict[str, Any]], container_name: 
         success["targetReplicatedJobs"] = ["chief"]
     return {
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-        "failurePolicy": {"maxRestarts": job.max_restarts},
+        "failurePolicy": jobset_failure_policy(job.max_restarts),
         "successPolicy": success,
         "replicatedJobs": replicated_jobs,
     }

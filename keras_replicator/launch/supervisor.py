@@ -3,7 +3,8 @@
 The model is torch's ``elastic/multiprocessing`` (start / wait / close) with
 one restart policy: `RestartPolicy` says what a failure leads to, and
 `Supervisor` carries it out (a task restarted alone, the job going on without a
-worker, every local task restarted, or the job ended).
+worker, every local task restarted, the job restarted without a worker that
+keeps failing, or the job ended).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from keras_replicator._validation import check_int
 from keras_replicator.launch.addresses import tf_config
 from keras_replicator.launch.environment import (
     DEVICES_PER_WORKER_ENV,
+    PREEMPTED_EXIT_CODE,
     RESTART_COUNT_ENV,
     WORKER_INDEX_ENV,
 )
@@ -44,6 +46,7 @@ class Action(enum.Enum):
     RESTART_TASK = "restart the task alone"
     GO_ON = "go on without the task"
     RESTART_JOB = "restart every local task"
+    SHRINK = "restart the job without the task"
     END = "end the job"
 
 
@@ -62,6 +65,15 @@ class RestartPolicy:
     and the parameter servers (the variables) cannot be lost: their failure
     ends the job.
 
+    An elastic synchronous job (``min_workers``, the launcher's ``--workers
+    MIN:MAX``) restarts as a plain one, except that a worker that cannot be
+    restarted is left out: one that was the first to fail on
+    ``worker_failures`` starts of the job in a row (a preempted worker,
+    exit 143, is not blamed). The job then restarts with the others, if at
+    least ``min_workers`` are left; ``BackupAndRestore`` resumes it from the
+    backup. Every restart counts against ``max_restarts``, the shrinking ones
+    included.
+
     Example:
         ```python
         from keras_replicator.launch import RestartPolicy
@@ -69,24 +81,48 @@ class RestartPolicy:
         policy.after_failure(("worker", 1), task_restarts=0, job_restarts=0)  # Action.RESTART_TASK
         policy.after_failure(("worker", 1), task_restarts=1, job_restarts=0)  # Action.GO_ON
         policy.after_failure(("ps", 0), task_restarts=0, job_restarts=0)      # Action.END
+        elastic = RestartPolicy(max_restarts=3, min_workers=1)
+        elastic.after_failure(("worker", 1), 0, 0, failures_in_a_row=1, workers=2)  # Action.RESTART_JOB
+        elastic.after_failure(("worker", 1), 0, 1, failures_in_a_row=2, workers=2)  # Action.SHRINK
         ```
 
     Args:
         max_restarts: restarts of the job (synchronous), or of each worker
             (parameter-server job).
         parameter_servers: whether the job is a parameter-server job.
+        min_workers: an elastic synchronous job: the fewest workers it may go
+            on with (``None``: not elastic).
+        worker_failures: an elastic job leaves out a worker that was the first
+            to fail on this many starts in a row.
     """
 
     max_restarts: int = 0
     parameter_servers: bool = False
+    min_workers: int | None = None
+    worker_failures: int = 2
 
     def __post_init__(self) -> None:
         check_int("max_restarts", self.max_restarts, minimum=0)
+        check_int("min_workers", self.min_workers, minimum=1, optional=True)
+        check_int("worker_failures", self.worker_failures, minimum=1)
+        if self.parameter_servers and self.min_workers is not None:
+            raise ValueError("min_workers (an elastic synchronous job) does not go with parameter_servers.")
 
-    def after_failure(self, task: Task, task_restarts: int, job_restarts: int) -> Action:
-        """What to do when ``task`` failed, after ``task_restarts`` of it and ``job_restarts`` of the job."""
+    def after_failure(self, task: Task, task_restarts: int, job_restarts: int, *,
+                      failures_in_a_row: int = 1, workers: int | None = None) -> Action:
+        """What to do when ``task`` failed, after ``task_restarts`` of it and ``job_restarts`` of the job.
+
+        ``failures_in_a_row``: on how many starts of the job in a row (this one
+        included) ``task`` was the first to fail; ``workers``: how many workers
+        the job has now (both for an elastic job).
+        """
         if not self.parameter_servers:
-            return Action.RESTART_JOB if job_restarts < self.max_restarts else Action.END
+            if job_restarts >= self.max_restarts:
+                return Action.END
+            if (self.min_workers is not None and workers is not None and failures_in_a_row >= self.worker_failures
+                    and workers - 1 >= self.min_workers):
+                return Action.SHRINK
+            return Action.RESTART_JOB
         if task[0] != "worker":
             return Action.END
         return Action.RESTART_TASK if task_restarts < self.max_restarts else Action.GO_ON
@@ -213,6 +249,10 @@ class Supervisor:
         self.spec, self.tasks, self.policy, self.console = spec, list(tasks), policy, console
         self.grace, self.timeout = grace, timeout
         self.chief: Task = ("chief", 0) if policy.parameter_servers else ("worker", 0)
+        # Each task's slot: the task it was at the first start, whose GPUs and log it keeps
+        # after an elastic job left a worker out and renumbered the others.
+        self.slots: dict[Task, Task] = {t: t for t in self.tasks}
+        self._failures_in_a_row: dict[Task, int] = {}  # slot -> starts in a row it failed first
         self._workers: list[_Worker] = []
         self._cluster: dict[str, list[str]] = {}
         self._signals = _Signals()
@@ -236,13 +276,19 @@ class Supervisor:
                     for f in self.spec.logs.values():
                         f.write(f"[launcher] restart {attempt} of {self.policy.max_restarts}\n")
                 try:
-                    self.start(cluster(), attempt)
+                    self.start(self._cluster_of(cluster()), attempt)
                     code, action = self.wait(attempt, deadline)
                 finally:  # also on an unexpected error: never leave workers behind
                     self.stop(signal.SIGTERM)
-                if action is not Action.RESTART_JOB:
+                if action not in (Action.RESTART_JOB, Action.SHRINK):
                     break
         return code
+
+    def _cluster_of(self, jobs: dict[str, list[str]]) -> dict[str, list[str]]:
+        """An elastic job's cluster has the addresses of the workers it has now (the first ones)."""
+        if self.policy.min_workers is None:
+            return jobs
+        return {**jobs, "worker": jobs["worker"][: len(self.tasks)]}
 
     def start(self, cluster: dict[str, list[str]], restart: int = 0) -> None:
         """Starts every local task in ``cluster``."""
@@ -251,6 +297,7 @@ class Supervisor:
 
     def _start(self, cluster: dict[str, list[str]], task: Task, restart: int) -> _Worker:
         job, index = task
+        slot = self.slots[task]
         env = dict(self.spec.env)
         env.update(TF_CONFIG=tf_config(cluster, index, job), PYTHONUNBUFFERED="1",
                    **{RESTART_COUNT_ENV: str(restart)})
@@ -258,8 +305,8 @@ class Supervisor:
             env[WORKER_INDEX_ENV] = str(index)
         if self.spec.devices_per_worker is not None:
             env[DEVICES_PER_WORKER_ENV] = str(self.spec.devices_per_worker)
-        if task in self.spec.gpus_of:
-            env["CUDA_VISIBLE_DEVICES"] = self.spec.gpus_of[task]
+        if slot in self.spec.gpus_of:
+            env["CUDA_VISIBLE_DEVICES"] = self.spec.gpus_of[slot]
         process = subprocess.Popen(
             list(self.spec.command),
             env=env,
@@ -271,7 +318,7 @@ class Supervisor:
             start_new_session=True,  # its own process group: signalled as a whole
         )
         echo = self.spec.tee == "all" or (self.spec.tee == "chief" and task == self.chief)
-        return _Worker(task, process, echo, self.console, self.spec.logs.get(task))
+        return _Worker(task, process, echo, self.console, self.spec.logs.get(slot))
 
     def wait(self, attempt: int = 0, deadline: float | None = None) -> tuple[int, Action]:
         """Waits until the started tasks end the job; its exit code and what the policy says next."""
@@ -290,7 +337,8 @@ class Supervisor:
                 return 0, Action.END  # the coordinator finished: the job is done
             for w in [w for w in self._workers if w.process.poll() not in (None, 0) and w.task not in lost]:
                 code = _exit_code(w.process.returncode)
-                action = self.policy.after_failure(w.task, restarts[w.task], attempt)
+                action = self.policy.after_failure(w.task, restarts[w.task], attempt, workers=len(self.tasks),
+                                                   failures_in_a_row=self._blame(w.task, code))
                 if action is Action.RESTART_TASK:
                     restarts[w.task] += 1
                     self.console.say(f"{w.name} exited with code {code}; restarting it (restart "
@@ -303,10 +351,18 @@ class Supervisor:
                                      "(the chief runs its steps on the other workers)")
                     w.print_tail()
                     continue
-                self.console.say(f"{w.name} exited with code {code}; stopping the others"
-                                 + _why_the_job_ends(w.task, self.policy, action))
+                if action is Action.SHRINK:
+                    self.console.say(
+                        f"{w.name} exited with code {code}, the first to fail on {self.policy.worker_failures} "
+                        f"starts in a row: stopping the others and leaving it out; the job goes on with "
+                        f"{len(self.tasks) - 1} worker(s) (at least {self.policy.min_workers})")
+                else:
+                    self.console.say(f"{w.name} exited with code {code}; stopping the others"
+                                     + _why_the_job_ends(w.task, self.policy, action))
                 self.stop(signal.SIGTERM)
                 w.print_tail()
+                if action is Action.SHRINK:
+                    self._leave_out(w.task)
                 return code, action
             if all(w.process.poll() is not None for w in self._workers):
                 return 0, Action.END
@@ -315,6 +371,23 @@ class Supervisor:
                 self.stop(signal.SIGTERM)
                 return 124, Action.END
             time.sleep(0.05)
+
+    def _blame(self, task: Task, code: int) -> int:
+        """On how many starts in a row (this one included) ``task``'s slot failed first.
+
+        A preempted worker (exit 143) is not to blame, and breaks every row.
+        """
+        slot = self.slots[task]
+        in_a_row = 0 if code == PREEMPTED_EXIT_CODE else self._failures_in_a_row.get(slot, 0) + 1
+        self._failures_in_a_row = {slot: in_a_row} if in_a_row else {}
+        return in_a_row
+
+    def _leave_out(self, task: Task) -> None:
+        """The job's next start is without ``task``: the other workers, renumbered 0, 1, ... in order."""
+        kept = [self.slots[t] for t in self.tasks if t != task]
+        self.tasks = [("worker", i) for i in range(len(kept))]
+        self.slots = dict(zip(self.tasks, kept))
+        self._failures_in_a_row = {}
 
     def _restart(self, w: _Worker, restart: int) -> None:
         """Restarts one task alone, at the same address (the others keep running)."""
