@@ -1,15 +1,15 @@
 """The training job tests/test_resume.py runs (not a test module); its model and data are importable.
 
-Usage: ``python tests/resume_job.py OUT_DIR --input arrays|shuffled [--devices N]
+Usage: ``python tests/resume_job.py OUT_DIR --input shuffled|input_fn [--devices N]
 [--sigterm-at WORKER EPOCH BATCH]``.
 
 One process with ``--devices`` replicas (default 2) when no cluster is described, else
 one worker of a job started by ``keras-replicator launch``. It trains `IdModel` (a small
 MLP, no dropout) with a learning-rate schedule and ``keras.callbacks.BackupAndRestore(
-OUT_DIR/backup)``, on `regression_data` whose last column is each example's id:
-``arrays`` feeds NumPy arrays (``shuffle=False``), ``shuffled`` a
-``Dataset.from_tensor_slices(...).shuffle(512, seed=7).batch(BATCH)`` pipeline, which
-reshuffles every epoch. Every replica appends ``step id id ...`` (the optimizer's step
+OUT_DIR/backup)``, on `data` whose last column is each example's id: ``shuffled``
+feeds ``fit`` a ``Dataset.from_tensor_slices(...).shuffle(512, seed=7).batch(BATCH)``
+pipeline, which reshuffles every epoch; ``input_fn`` the per-worker `input_fn` through
+``strategy.distribute_dataset``. Every replica appends ``step id id ...`` (the optimizer's step
 count before the step, the ids of its slice) to ``OUT_DIR/ids.worker{i}.txt``; each
 worker writes its final weights to ``OUT_DIR/weights.worker{i}.npz``. ``--sigterm-at W E
 B``: at the first start, worker W sends itself SIGTERM when batch B of epoch E begins.
@@ -75,15 +75,25 @@ def build_model(ids_path: str | None = None) -> IdModel:
     return model
 
 
-def fit(model, kind: str, callbacks=()) -> None:
-    if kind == "arrays":
-        x, y = data()
-        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=list(callbacks))
+def input_fn(ctx) -> tf.data.Dataset:
+    """Per-worker input: each pipeline shuffles with its own seed and batches per replica."""
+    import keras_replicator as kr
+
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=kr.data.pipeline_seed(7, ctx))
+    return dataset.batch(ctx.get_per_replica_batch_size(BATCH))
+
+
+def fit(model, kind: str, callbacks=(), strategy=None) -> None:
+    """``shuffled``: the pipeline to `fit` as it is; ``input_fn``: `input_fn` through ``distribute_dataset``."""
+    if kind == "input_fn":
+        train = strategy.distribute_dataset(input_fn, global_batch_size=BATCH)
     else:
-        model.fit(shuffled_dataset(), epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
+        train = shuffled_dataset()
+    model.fit(train, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=list(callbacks))
 
 
-class _SigtermAt(keras.callbacks.Callback):
+class SigtermAt(keras.callbacks.Callback):
     def __init__(self, strategy, at):
         super().__init__()
         self.strategy, self.at, self.epoch = strategy, at, 0
@@ -117,7 +127,7 @@ def main(argv: list[str]) -> None:
     with strategy.scope():
         model = build_model(os.path.join(out_dir, f"ids.worker{strategy.worker_index}.txt"))
     backup = keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"))
-    fit(model, kind, [backup, _SigtermAt(strategy, at)])
+    fit(model, kind, [backup, SigtermAt(strategy, at)], strategy)
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(out_dir, f"weights.worker{strategy.worker_index}.npz"), **weights)
     print(f"finished on {strategy.num_replicas_in_sync} replicas", flush=True)
