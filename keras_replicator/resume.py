@@ -8,9 +8,9 @@ stood (`data_state`):
   new seeds from a generator seeded by ``s``, once per iterator made of the dataset, so
   epoch ``e`` reads the order of the n-th draw, n the iterators made before it (in
   Keras 3.15 `fit`: one for the model's build, then two per epoch). The backup keeps
-  n; after a restart, throwaway iterators (`advance_shuffles`) bring the generator there
-  before the first epoch's iterator is made, so every epoch reads the uninterrupted
-  run's order. Nothing of a shuffle buffer is saved: an iterator costs about 1 ms;
+  n; after a restart, throwaway iterators of each shuffle (`advance_shuffles`) bring its
+  generator there before the first epoch's iterator is made, so every epoch reads the
+  uninterrupted run's order. Nothing of a shuffle buffer is saved: one costs about 1 ms;
 * **the global batch, the replicas, the workers and the input pipelines.** A global
   batch ``t`` is the same examples on any number of replicas when the position is
   global (`InputPosition.global_order`: one input pipeline, or data sharding), so a
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from keras_replicator._compat import tf_data
 from keras_replicator._validation import check_int
 from keras_replicator.errors import ResumeError
 
@@ -74,7 +75,14 @@ def _found(distributed_dataset):
 
 
 def record_pipelines(distributed_dataset, position: InputPosition, datasets: Sequence[tf.data.Dataset]) -> None:
-    """Called by `keras_replicator.data` for each distributed dataset it makes."""
+    """Called by `keras_replicator.data` for each distributed dataset it makes.
+
+    Example:
+        ```python
+        train = strategy.distribute_dataset(dataset, global_batch_size=64)  # records it
+        kr.resume.input_position(train).input_pipelines  # 1
+        ```
+    """
     _pipelines[distributed_dataset] = (position, tuple(datasets))
 
 
@@ -94,9 +102,9 @@ def input_position(distributed_dataset) -> InputPosition | None:
 def advance_shuffles(distributed_dataset, draws: int) -> bool:
     """Moves every reshuffling ``shuffle`` of its pipelines ``draws`` epoch orders ahead.
 
-    Makes ``draws`` iterators of each of this process's pipelines and drops them (no
-    element is read). False, and nothing done, for a dataset `keras_replicator.data`
-    did not make.
+    Makes ``draws`` iterators of each reshuffling ``shuffle`` this process's pipelines
+    read from and drops them (no element is read). False, and nothing done, for a
+    dataset `keras_replicator.data` did not make.
 
     Example:
         ```python
@@ -109,14 +117,25 @@ def advance_shuffles(distributed_dataset, draws: int) -> bool:
     if found is None:
         return False
     check_int("draws", draws, minimum=0)
-    for dataset in found[1]:
+    # The shuffles themselves: an iterator of one draws from the generator the whole pipeline's
+    # iterators draw from, and costs about 1 ms (one of the whole pipeline: tens of ms).
+    shuffles = {id(s): s for dataset in found[1] for s in tf_data.reshuffling_shuffles(dataset)}
+    for shuffle in shuffles.values():
         for _ in range(draws):
-            iter(dataset)
+            iter(shuffle)
     return True
 
 
 def data_state(epoch_draw: int | None, position: InputPosition | None, replicas: int, workers: int) -> dict:
-    """The JSON-ready record of where the data stands, written with a backup."""
+    """The JSON-ready record of where the data stands, written with a backup.
+
+    Example:
+        ```python
+        kr.resume.data_state(3, kr.resume.InputPosition(64, 2, True), replicas=4, workers=2)
+        # {'epoch_draw': 3, 'replicas': 4, 'workers': 2, 'global_batch': 64,
+        #  'input_pipelines': 2, 'global_order': True}
+        ```
+    """
     state = {"epoch_draw": epoch_draw, "replicas": int(replicas), "workers": int(workers)}
     if position is not None:
         state.update(dataclasses.asdict(position))
@@ -125,7 +144,13 @@ def data_state(epoch_draw: int | None, position: InputPosition | None, replicas:
 
 @dataclasses.dataclass(frozen=True)
 class Resumption:
-    """Where a restored run starts: `step` global batches into its epoch, at iterator `epoch_draw`."""
+    """Where a restored run starts: `step` global batches into its epoch, at iterator `epoch_draw`.
+
+    Example:
+        ```python
+        kr.resume.Resumption(step=5, epoch_draw=3).inexact  # None: exactly the uninterrupted run's examples
+        ```
+    """
 
     step: int
     epoch_draw: int | None
@@ -157,6 +182,14 @@ def plan(saved: dict | None, step: int, *, replicas: int, workers: int, position
     Raises `ResumeError` (before any step) when the replicas changed and do not divide
     the global batch, or when the backup stopped ``step`` batches into an epoch and this
     run's global batch cannot start a step at that example.
+
+    Example:
+        ```python
+        saved = kr.resume.data_state(3, kr.resume.InputPosition(64, 2, True), replicas=4, workers=2)
+        here = kr.resume.InputPosition(global_batch=64, input_pipelines=1, global_order=True)
+        kr.resume.plan(saved, 5, replicas=2, workers=1, position=here)
+        # Resumption(step=5, epoch_draw=3, inexact=None)
+        ```
     """
     saved = saved or {}
     batch = position.global_batch if position is not None else None

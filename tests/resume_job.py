@@ -20,6 +20,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+
+STARTED = time.monotonic()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -102,6 +105,10 @@ class SigtermAt(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not getattr(self, "stepped", False):
+            self.stepped = True
+            print(f"first step (epoch {self.epoch}, batch {batch}) {time.monotonic() - STARTED:.1f} s after "
+                  "the start", flush=True)
         if self.at == (self.strategy.worker_index, self.epoch, batch):
             os.kill(os.getpid(), signal.SIGTERM)
             if self.strategy.num_workers > 1:

@@ -104,6 +104,13 @@ def preempted(tmp_path_factory):
     return out
 
 
+def _first_step(output: str) -> str:
+    """The resumed run's "first step (epoch e, batch b) T s after the start" (resume_job.py)."""
+    found = re.findall(r"first step \(epoch \d+, batch \d+\) [\d.]+ s after the start", output)
+    assert found, output[-4000:]
+    return found[-1]
+
+
 def _copy(folder, tmp_path):
     shutil.copytree(folder, tmp_path / "run")
     return tmp_path / "run"
@@ -114,7 +121,8 @@ def test_a_reshuffling_pipeline_resumes_on_the_same_shape_with_the_uninterrupted
     out = _copy(preempted, tmp_path)
     second = _finish(_start(out, ["--devices", "2"], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))
     assert second.returncode == 0, second.stdout[-4000:]
-    print(f"same shape (2 replicas), reshuffling pipeline: weight gap {_check_against(out, reference):.2g}")
+    gap = _check_against(out, reference)
+    print(f"same shape (2 replicas), reshuffling pipeline: weight gap {gap:.2g}; {_first_step(second.stdout)}")
 
 
 def test_growing_from_2_to_4_replicas_refuses_3_first_then_resumes_exactly(preempted, reference, tmp_path):
@@ -133,7 +141,8 @@ def test_growing_from_2_to_4_replicas_refuses_3_first_then_resumes_exactly(preem
     four = _finish(_start(out, ["--devices", "4"], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))
     assert four.returncode == 0, four.stdout[-4000:]
     assert "finished on 4 replicas" in four.stdout
-    print(f"grow 2 -> 4 replicas, reshuffling pipeline: weight gap {_check_against(out, reference):.2g}")
+    gap = _check_against(out, reference)
+    print(f"grow 2 -> 4 replicas, reshuffling pipeline: weight gap {gap:.2g}; {_first_step(four.stdout)}")
 
 
 def test_shrinking_a_preempted_2_x_2_job_to_1_x_2_resumes_exactly(reference, tmp_path):
@@ -154,7 +163,8 @@ def test_shrinking_a_preempted_2_x_2_job_to_1_x_2_resumes_exactly(reference, tmp
     assert code == 0, out.getvalue()[-8000:]
     assert "finished on 2 replicas" in out.getvalue()
     gap = _check_against(tmp_path, reference)
-    print(f"shrink 2 x 2 -> 1 x 2 after {stops[0][1]}, reshuffling pipeline: weight gap {gap:.2g}")
+    print(f"shrink 2 x 2 -> 1 x 2 after {stops[0][1]}, reshuffling pipeline: weight gap {gap:.2g}; "
+          f"{_first_step(out.getvalue())}")
 
 
 def test_a_per_worker_input_fn_resumes_in_process_with_its_epoch_orders(tmp_path):
