@@ -111,17 +111,20 @@ def read_step_in_epoch(backup) -> int:
     return int(_read_metadata(backup).get(STEP_KEY, 0))
 
 
-def _data_state(backup, strategy) -> dict:
-    """`resume.data_state` for a backup being written: the epoch it resumes at, its data's shape.
-
-    Mid-epoch (our preemption save, or Keras's integer ``save_freq``, whose restore restarts
-    the running epoch) the running epoch's order; at an epoch's end (``save_freq="epoch"``)
-    the next one's.
-    """
-    mid_epoch = getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int)
+def data_state(strategy, mid_epoch: bool) -> dict | None:
+    """`resume.data_state` of the running `fit`, for a backup that resumes at the running epoch
+    (``mid_epoch``) or at the next one (written at an epoch's end); None for other strategies."""
+    if not ours(strategy):
+        return None
     position = resume.input_position(mid_epoch_resume.distributed_dataset())
     return resume.data_state(mid_epoch_resume.epoch_draw(mid_epoch), position,
                              strategy.num_replicas_in_sync, strategy.num_workers)
+
+
+def _data_state(backup, strategy) -> dict:
+    """`data_state` for a backup being written: mid-epoch (our preemption save, or Keras's
+    integer ``save_freq``, whose restore restarts the running epoch), else at an epoch's end."""
+    return data_state(strategy, getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int))
 
 
 # Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
@@ -208,9 +211,15 @@ def _br_on_train_begin(original_br_begin):
 
 
 def _resume(backup, strategy, epoch: int, step: int) -> None:
-    """Checks the shape against the backup's (before any step) and sets where `fit` resumes."""
     saved = _read_metadata(backup).get(DATA_KEY) if os.path.exists(backup._weights_path) else None
-    if saved is None and not step:
+    if saved is not None or step:
+        resume_fit(strategy, epoch, step, saved)
+
+
+def resume_fit(strategy, epoch: int, step: int, saved: dict | None) -> None:
+    """Checks the shape against a backup's `data_state` (before any step); sets where `fit` resumes."""
+    if not ours(strategy):
+        mid_epoch_resume.resume_current_fit_at(epoch, step)
         return
     where = resume.plan(saved, step, replicas=strategy.num_replicas_in_sync, workers=strategy.num_workers,
                         position=resume.input_position(mid_epoch_resume.distributed_dataset()))
