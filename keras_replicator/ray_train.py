@@ -194,6 +194,7 @@ class ReportCheckpoint(keras.callbacks.Callback):
         undo_legacy_keras()
 
     def on_train_begin(self, logs=None):
+        self._fit_iterator = keras_checkpointing.fit_iterator()  # whose data position checkpoints record
         checkpoint = self._train.get_checkpoint() if self.restore else None
         if checkpoint is None:
             return
@@ -231,7 +232,7 @@ class ReportCheckpoint(keras.callbacks.Callback):
             if is_chief:
                 with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
                     json.dump({"epoch": int(epoch), keras_checkpointing.DATA_KEY: keras_checkpointing.data_state(
-                        self.model.distribute_strategy, mid_epoch=False)}, f)
+                        self.model.distribute_strategy, False, getattr(self, "_fit_iterator", None))}, f)
                 checkpoint = self._train.Checkpoint.from_directory(directory)
             self._train.report(metrics, checkpoint=checkpoint)
         finally:

@@ -87,13 +87,16 @@ def input_fn(ctx) -> tf.data.Dataset:
     return dataset.batch(ctx.get_per_replica_batch_size(BATCH))
 
 
-def fit(model, kind: str, callbacks=(), strategy=None) -> None:
-    """``shuffled``: the pipeline to `fit` as it is; ``input_fn``: `input_fn` through ``distribute_dataset``."""
+def fit(model, kind: str, callbacks=(), strategy=None, **options) -> None:
+    """``shuffled``: the pipeline to `fit` as it is; ``input_fn``: `input_fn` through ``distribute_dataset``.
+
+    ``options``: more of `fit`'s arguments (``validation_data``).
+    """
     if kind == "input_fn":
         train = strategy.distribute_dataset(input_fn, global_batch_size=BATCH)
     else:
         train = shuffled_dataset()
-    model.fit(train, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=list(callbacks))
+    model.fit(train, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=list(callbacks), **options)
 
 
 class SigtermAt(keras.callbacks.Callback):

@@ -179,7 +179,8 @@ def test_a_per_worker_input_fn_resumes_in_process_with_its_epoch_orders(tmp_path
         with strategy.scope():
             model = resume_job.build_model(str(folder / "ids.worker0.txt"))
         backup = keras.callbacks.BackupAndRestore(str(folder / "backup"))
-        resume_job.fit(model, "input_fn", [backup, *callbacks], strategy)
+        # Validation makes an iterator of its own after epoch 0: the backup must still record the training's.
+        resume_job.fit(model, "input_fn", [backup, *callbacks], strategy, validation_data=resume_job.shuffled_dataset())
         return model.get_weights()
 
     expected = {"ids": None, "weights": run(tmp_path / "reference")}

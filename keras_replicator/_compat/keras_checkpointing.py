@@ -111,20 +111,28 @@ def read_step_in_epoch(backup) -> int:
     return int(_read_metadata(backup).get(STEP_KEY, 0))
 
 
-def data_state(strategy, mid_epoch: bool) -> dict | None:
-    """`resume.data_state` of the running `fit`, for a backup that resumes at the running epoch
-    (``mid_epoch``) or at the next one (written at an epoch's end); None for other strategies."""
+def fit_iterator():
+    """The running `fit`'s epoch iterator (a weak reference), for `data_state`: call from
+    ``on_train_begin``, before `evaluate` or `fit`'s validation make iterators of their own."""
+    return mid_epoch_resume.fit_iterator()
+
+
+def data_state(strategy, mid_epoch: bool, fit_iterator) -> dict | None:
+    """`resume.data_state` of a running `fit` (its `fit_iterator()`), for a backup that resumes at
+    the running epoch (``mid_epoch``) or at the next one (written at an epoch's end); None for
+    other strategies."""
     if not ours(strategy):
         return None
-    position = resume.input_position(mid_epoch_resume.distributed_dataset())
-    return resume.data_state(mid_epoch_resume.epoch_draw(mid_epoch), position,
+    position = resume.input_position(mid_epoch_resume.distributed_dataset(fit_iterator))
+    return resume.data_state(mid_epoch_resume.epoch_draw(mid_epoch, fit_iterator), position,
                              strategy.num_replicas_in_sync, strategy.num_workers)
 
 
 def _data_state(backup, strategy) -> dict:
     """`data_state` for a backup being written: mid-epoch (our preemption save, or Keras's
     integer ``save_freq``, whose restore restarts the running epoch), else at an epoch's end."""
-    return data_state(strategy, getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int))
+    mid_epoch = getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int)
+    return data_state(strategy, mid_epoch, getattr(backup, "_kr_fit_iterator", None))
 
 
 # Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
@@ -188,6 +196,7 @@ def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         result = original_br_begin(self, logs)
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        self._kr_fit_iterator = fit_iterator()  # whose data position this fit's backups record
         step = read_step_in_epoch(self) if ours(strategy) else 0
         epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
         if multi_worker(strategy):

@@ -30,27 +30,34 @@ import tensorflow as tf
 current = threading.local()
 
 
-def _epoch_iterator():
-    iterator = getattr(current, "iterator", None)
-    return iterator() if iterator is not None else None
+def fit_iterator():
+    """A weak reference to the running `fit`'s epoch iterator: call from `on_train_begin`
+    (later, `evaluate` and `fit`'s validation make iterators of their own). None: none known."""
+    return getattr(current, "iterator", None)
 
 
-def epoch_draw(mid_epoch: bool) -> int | None:
+def _epoch_iterator(reference=None):
+    reference = reference if reference is not None else fit_iterator()
+    return reference() if reference is not None else None
+
+
+def epoch_draw(mid_epoch: bool, reference=None) -> int | None:
     """The iterator count (see the module's docstring) at which a resumed epoch must start.
 
     ``mid_epoch``: the running epoch's own (a backup that resumes inside it), else the
-    next epoch's (a backup written at an epoch's end). None: no `fit` known here.
+    next epoch's (a backup written at an epoch's end). ``reference``: `fit_iterator()`'s,
+    kept from ``on_train_begin``. None: no `fit` known here.
     """
-    iterator = _epoch_iterator()
+    iterator = _epoch_iterator(reference)
     if iterator is None:
         return None
     _count_iterators(iterator)
     return iterator.__dict__.get("_kr_epoch_draw", 0) if mid_epoch else iterator._kr_made
 
 
-def distributed_dataset():
-    """The distributed dataset the running `fit` trains on (None: no `fit` known here)."""
-    iterator = _epoch_iterator()
+def distributed_dataset(reference=None):
+    """The distributed dataset the `fit` of ``reference`` (default: the running one) trains on."""
+    iterator = _epoch_iterator(reference)
     return None if iterator is None else getattr(iterator, "_distributed_dataset", None)
 
 
