@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -167,7 +168,20 @@ def test_shrinking_a_preempted_2_x_2_job_to_1_x_2_resumes_exactly(reference, tmp
           f"{_first_step(out.getvalue())}")
 
 
-def test_a_per_worker_input_fn_resumes_in_process_with_its_epoch_orders(tmp_path):
+class _CrashAtEpoch(keras.callbacks.Callback):
+    """Raises when `epoch` begins: a failure after the backup of the epoch before it."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("crash")
+
+
+@pytest.mark.parametrize("stop", ["sigterm_mid_epoch", "crash_after_an_epoch"])
+def test_a_per_worker_input_fn_resumes_in_process_with_its_epoch_orders(tmp_path, stop):
     import keras
 
     import keras_replicator as kr
@@ -185,14 +199,18 @@ def test_a_per_worker_input_fn_resumes_in_process_with_its_epoch_orders(tmp_path
 
     expected = {"ids": None, "weights": run(tmp_path / "reference")}
     expected["ids"] = _ids_by_step(tmp_path / "reference")
-    # SIGTERM in this process: the step finishes, the backup is written mid-epoch 1, SystemExit(143).
-    with pytest.raises(SystemExit) as stopped:
-        run(tmp_path / "run", [resume_job.SigtermAt(strategy, (0, 1, 2))])
-    assert stopped.value.code == 143
+    if stop == "sigterm_mid_epoch":
+        # SIGTERM in this process: the step finishes, the backup is written mid-epoch 1, SystemExit(143).
+        with pytest.raises(SystemExit) as stopped:
+            run(tmp_path / "run", [resume_job.SigtermAt(strategy, (0, 1, 2))])
+        assert stopped.value.code == 143
+    else:  # Keras's own backup at the end of epoch 1, then a crash: the restart resumes at epoch 2
+        with pytest.raises(RuntimeError, match="crash"):
+            run(tmp_path / "run", [_CrashAtEpoch(2)])
     # A new model and a new pipeline (the input_fn called again): as after a restart.
     weights = run(tmp_path / "run")
     np.savez(tmp_path / "run" / "weights.worker0.npz", **{f"w{i}": w for i, w in enumerate(weights)})
-    print(f"input_fn, same shape: weight gap {_check_against(tmp_path / 'run', expected):.2g}")
+    print(f"input_fn, same shape, {stop}: weight gap {_check_against(tmp_path / 'run', expected):.2g}")
 
 
 def test_the_position_is_checked_against_the_new_shape():
