@@ -190,11 +190,12 @@ class ReportCheckpoint(keras.callbacks.Callback):
         self.checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=0)
         self.restore = check_bool("restore", restore)
         self.restored_epoch: int | None = None
+        self.fit_iterator = None  # the running fit's epoch iterator (weakly): its data position is saved
         self._train = _require("ray.train")
         undo_legacy_keras()
 
     def on_train_begin(self, logs=None):
-        self._fit_iterator = keras_checkpointing.fit_iterator()  # whose data position checkpoints record
+        self.fit_iterator = keras_checkpointing.fit_iterator()
         checkpoint = self._train.get_checkpoint() if self.restore else None
         if checkpoint is None:
             return
@@ -232,7 +233,7 @@ class ReportCheckpoint(keras.callbacks.Callback):
             if is_chief:
                 with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
                     json.dump({"epoch": int(epoch), keras_checkpointing.DATA_KEY: keras_checkpointing.data_state(
-                        self.model.distribute_strategy, False, getattr(self, "_fit_iterator", None))}, f)
+                        self.model.distribute_strategy, False, self.fit_iterator)}, f)
                 checkpoint = self._train.Checkpoint.from_directory(directory)
             self._train.report(metrics, checkpoint=checkpoint)
         finally:
