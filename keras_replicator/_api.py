@@ -9,6 +9,7 @@ from keras_replicator import (
     errors,
     layers,
     optimizers,
+    resume,
     schedules,
     testing,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "optimizers",
     "replica_id",
     "replica_jit",
+    "resume",
     "save_model",
     "schedules",
     "simulate_devices",

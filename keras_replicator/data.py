@@ -59,7 +59,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator import input_pipeline
+from keras_replicator import input_pipeline, resume
 from keras_replicator._compat import host_iterator, tf_data
 from keras_replicator._validation import check_bool, check_choice, check_int
 
@@ -434,11 +434,13 @@ def _distribute(
     Its cardinality counts per-replica elements; divided by the replicas of the
     pipeline TensorFlow built here (the last one it asked for), it is the steps.
     """
-    contexts = []
+    contexts, plans, datasets = [], [], []
 
     def pipeline(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         contexts.append(input_context)
-        return input_fn(input_context)
+        plans.append(input_fn.plan(input_context))
+        datasets.append(input_pipeline.build(plans[-1]))
+        return datasets[-1]
 
     # Over the CPU replicas of one worker, one host iterator for all of them (_compat.host_iterator).
     options = host_iterator.options_for(strategy, options)
@@ -447,6 +449,10 @@ def _distribute(
     if cardinality > 0 and contexts:
         local = _check_context(contexts[-1])
         tf_data.set_distributed_cardinality(distributed, np.int64(cardinality // local))
+    if plans:  # what a backup records to resume at the same example (keras_replicator.resume)
+        plan = plans[-1]
+        position = resume.InputPosition(plan.global_batch, plan.pipelines, plan.pipelines == 1 or plan.slice_level)
+        resume.record_pipelines(distributed, position, datasets)
     return distributed
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "DeviceConfigurationError",
     "ParameterServerLostError",
     "ReplicaDivergenceError",
+    "ResumeError",
     "WorkerLostError",
 ]
 
@@ -104,3 +105,13 @@ class ParameterServerLostError(tf.errors.UnavailableError):
 
 class ReplicaDivergenceError(RuntimeError):
     """Raised by `ReplicaConsistencyCheck` when the replicas' copies of a variable differ."""
+
+
+class ResumeError(ValueError):
+    """A backup cannot be restored as it is on this run's shape (replicas, global batch).
+
+    Raised by ``keras.callbacks.BackupAndRestore`` when `fit` starts, before any step:
+    the new replica count does not divide the global batch, or the backup stopped
+    inside an epoch at an example this run's global batch cannot start a step at.
+    The message names the choices.
+    """

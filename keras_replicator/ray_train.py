@@ -53,7 +53,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator import saving
-from keras_replicator._compat import keras_initial_epoch, mid_epoch_resume
+from keras_replicator._compat import keras_checkpointing, keras_initial_epoch
 from keras_replicator._validation import check_bool, check_int
 
 __all__ = [
@@ -192,16 +192,19 @@ class ReportCheckpoint(keras.callbacks.Callback):
         self.checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=0)
         self.restore = check_bool("restore", restore)
         self.restored_epoch: int | None = None
+        self.fit_iterator = None  # the running fit's epoch iterator (weakly): its data position is saved
         self._train = _require("ray.train")
         undo_legacy_keras()
 
     def on_train_begin(self, logs=None):
+        self.fit_iterator = keras_checkpointing.fit_iterator()
         checkpoint = self._train.get_checkpoint() if self.restore else None
         if checkpoint is None:
             return
         with checkpoint.as_directory() as directory:
             with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
-                next_epoch = int(json.load(f)["epoch"]) + 1
+                state = json.load(f)
+            next_epoch = int(state["epoch"]) + 1
             already = keras_initial_epoch.initial_epoch(self.model)
             if already is not None and already >= next_epoch:
                 return  # an earlier callback (BackupAndRestore) restored a state at least as new
@@ -214,8 +217,9 @@ class ReportCheckpoint(keras.callbacks.Callback):
             self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
         keras_initial_epoch.set_initial_epoch(self.model, next_epoch)
         # The data position of an uninterrupted run (with steps_per_epoch, the epochs before are
-        # replayed), and no mid-epoch skip left pending by an older BackupAndRestore backup.
-        mid_epoch_resume.resume_current_fit_at(next_epoch, 0)
+        # replayed; reshuffling pipelines at the epoch's order, keras_replicator.resume), after
+        # checking the shape, and no mid-epoch skip left pending by an older BackupAndRestore backup.
+        keras_checkpointing.resume_fit(self.model.distribute_strategy, next_epoch, 0, state.get(keras_checkpointing.DATA_KEY))
         self.restored_epoch = next_epoch
 
     def on_epoch_end(self, epoch, logs=None):
@@ -230,7 +234,8 @@ class ReportCheckpoint(keras.callbacks.Callback):
             checkpoint = None
             if is_chief:
                 with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
-                    json.dump({"epoch": int(epoch)}, f)
+                    json.dump({"epoch": int(epoch), keras_checkpointing.DATA_KEY: keras_checkpointing.data_state(
+                        self.model.distribute_strategy, False, self.fit_iterator)}, f)
                 checkpoint = self._train.Checkpoint.from_directory(directory)
             self._train.report(metrics, checkpoint=checkpoint)
         finally:

@@ -114,7 +114,8 @@ def test_sigterm_in_one_process_saves_mid_epoch_and_the_rerun_resumes_at_that_st
     assert "sending SIGTERM" in killed.stdout and "preemption" not in killed.stdout
     assert _steps(fatal) == ALL_STEPS[:STEPS + 3]  # the step that was running never finished
     with open(fatal / "backup" / "training_metadata.json") as f:
-        assert json.load(f) == {"epoch": 1, "batch": 0}  # Keras's own epoch-end backup only
+        metadata = json.load(f)  # Keras's own epoch-end backup only (and where its data stands)
+    assert {k: v for k, v in metadata.items() if k != "keras_replicator_data"} == {"epoch": 1, "batch": 0}
 
     # Run 2 (a restart): resumes at step 4 of epoch 1; every step once over both runs.
     second = _finish(_start([str(saving)], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))

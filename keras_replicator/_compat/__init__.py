@@ -16,8 +16,8 @@ installed version is outside the range a module was checked on.
 | `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
-| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step) | installed patch, ours only | Keras 3.15 |
-| `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, a private mark on the epoch iterator | installed patch, ours only: the first epoch after a mid-epoch restore skips the steps already done | Keras 3.15 |
+| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`) | installed patch, ours only | Keras 3.15 |
+| `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
 | `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
 | `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.15 |

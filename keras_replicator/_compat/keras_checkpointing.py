@@ -8,7 +8,11 @@ keras_replicator's strategies (the chief-only writes with more than one worker).
 `uninstall()`): callbacks run outside any strategy scope.
 `BackupAndRestore.on_train_begin` also resumes mid-epoch from a backup written
 at a preemption (`preemption`): it hands the step to the trainer's epoch
-iterator (`mid_epoch_resume.resume_current_fit_at`).
+iterator (`mid_epoch_resume.resume_current_fit_at`). Every backup the chief writes
+also records where the data stands (`keras_replicator.resume.data_state`: the
+shuffles' epoch order, the global batch, the shape), so that the restored run reads
+the uninterrupted run's examples, on another number of replicas too
+(`keras_replicator.resume.plan` checks the new shape first).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import tensorflow as tf
 from keras.src.callbacks import backup_and_restore, model_checkpoint
 
+from keras_replicator import resume
 from keras_replicator._compat import mid_epoch_resume
 from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours
 
@@ -71,22 +77,62 @@ def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
     written by `_save_model` (patched below: only the chief writes where asked).
     """
     backup._current_epoch = epoch
-    backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
+    backup._kr_mid_epoch = True
+    try:
+        backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
+    finally:
+        del backup._kr_mid_epoch
     if is_chief:
-        with open(backup._training_metadata_path) as f:
-            metadata = json.load(f)
-        metadata[STEP_KEY] = int(step)
-        with open(backup._training_metadata_path, "w") as f:
-            json.dump(metadata, f)
+        _update_metadata(backup, {STEP_KEY: int(step)})
+
+
+# Added to the metadata by every backup of our strategies: keras_replicator.resume.data_state.
+DATA_KEY = "keras_replicator_data"
+
+
+def _update_metadata(backup, entries: dict) -> None:
+    with open(backup._training_metadata_path) as f:
+        metadata = json.load(f)
+    metadata.update(entries)
+    with open(backup._training_metadata_path, "w") as f:
+        json.dump(metadata, f)
+
+
+def _read_metadata(backup) -> dict:
+    path = backup._training_metadata_path
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def read_step_in_epoch(backup) -> int:
     """The steps of the restored epoch already done (0: none, or no mid-epoch backup)."""
-    path = backup._training_metadata_path
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        return int(json.load(f).get(STEP_KEY, 0))
+    return int(_read_metadata(backup).get(STEP_KEY, 0))
+
+
+def fit_iterator():
+    """The running `fit`'s epoch iterator (a weak reference), for `data_state`: call from
+    ``on_train_begin``, before `evaluate` or `fit`'s validation make iterators of their own."""
+    return mid_epoch_resume.fit_iterator()
+
+
+def data_state(strategy, mid_epoch: bool, fit_iterator) -> dict | None:
+    """`resume.data_state` of a running `fit` (its `fit_iterator()`), for a backup that resumes at
+    the running epoch (``mid_epoch``) or at the next one (written at an epoch's end); None for
+    other strategies."""
+    if not ours(strategy):
+        return None
+    position = resume.input_position(mid_epoch_resume.distributed_dataset(fit_iterator))
+    return resume.data_state(mid_epoch_resume.epoch_draw(mid_epoch, fit_iterator), position,
+                             strategy.num_replicas_in_sync, strategy.num_workers)
+
+
+def _data_state(backup, strategy) -> dict:
+    """`data_state` for a backup being written: mid-epoch (our preemption save, or Keras's
+    integer ``save_freq``, whose restore restarts the running epoch), else at an epoch's end."""
+    mid_epoch = getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int)
+    return data_state(strategy, mid_epoch, getattr(backup, "_kr_fit_iterator", None))
 
 
 # Only the chief writes ``ModelCheckpoint`` and ``BackupAndRestore`` files.
@@ -123,9 +169,14 @@ _BR_PATHS = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_we
 
 def _br_save_model(original_br_save):
     def br_save_model(self):
-        strategy = _callback_strategy(self)
-        if strategy is None or strategy.is_chief:
+        strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        if not ours(strategy):
             return original_br_save(self)
+        state = _data_state(self, strategy)
+        if not multi_worker(strategy) or strategy.is_chief:
+            result = original_br_save(self)
+            _update_metadata(self, {DATA_KEY: state})
+            return result
         with _PathsRedirected(self, _BR_PATHS, strategy):
             return original_br_save(self)
 
@@ -145,6 +196,7 @@ def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         result = original_br_begin(self, logs)
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        self._kr_fit_iterator = fit_iterator()  # whose data position this fit's backups record
         step = read_step_in_epoch(self) if ours(strategy) else 0
         epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
         if multi_worker(strategy):
@@ -160,11 +212,30 @@ def _br_on_train_begin(original_br_begin):
                     "chief writes the backup; backup_dir must be on storage that every worker reads "
                     "(a shared file system or bucket)."
                 )
-        if step:
-            mid_epoch_resume.resume_current_fit_at(epoch, step)
+        if ours(strategy):
+            _resume(self, strategy, epoch, step)
         return result
 
     return br_on_train_begin
+
+
+def _resume(backup, strategy, epoch: int, step: int) -> None:
+    saved = _read_metadata(backup).get(DATA_KEY) if os.path.exists(backup._weights_path) else None
+    if saved is not None or step:
+        resume_fit(strategy, epoch, step, saved)
+
+
+def resume_fit(strategy, epoch: int, step: int, saved: dict | None) -> None:
+    """Checks the shape against a backup's `data_state` (before any step); sets where `fit` resumes."""
+    if not ours(strategy):
+        mid_epoch_resume.resume_current_fit_at(epoch, step)
+        return
+    where = resume.plan(saved, step, replicas=strategy.num_replicas_in_sync, workers=strategy.num_workers,
+                        position=resume.input_position(mid_epoch_resume.distributed_dataset()))
+    if where.inexact and strategy.is_chief:
+        print(f"keras_replicator: resuming epoch {epoch} at step {where.step}: {where.inexact}",
+              file=sys.stderr, flush=True)
+    mid_epoch_resume.resume_current_fit_at(epoch, where.step, where.epoch_draw)
 
 
 # Installed by keras_replicator._compat.install(), undone by uninstall().

@@ -8,6 +8,15 @@ preemption (`preemption`, `keras_checkpointing.save_mid_epoch`) the steps alread
 would be done twice. `keras_trainer` records the running `fit`'s epoch iterator
 (`current`); `BackupAndRestore.on_train_begin` (`keras_checkpointing`) calls
 `resume_current_fit_at` with the restored epoch and step.
+
+It also counts the iterators the epoch iterator makes of its dataset (an instance
+attribute wrapping `_get_iterator`, private): each one draws the next seeds of every
+reshuffling `Dataset.shuffle` in the pipeline (tf.data's seed generator, one draw per
+iterator: `shuffle(seed=s)` orders its n-th iterator by the generator's n-th draw), so
+the count when an epoch's iterator is made says which order that epoch reads. A backup
+records it (`epoch_draw`); after a restart the first epoch's iterator is preceded by
+throwaway iterators up to that count (`keras_replicator.resume.advance_shuffles`), so
+that epoch e reads the uninterrupted run's order for epoch e, on any number of replicas.
 """
 
 from __future__ import annotations
@@ -21,18 +30,79 @@ import tensorflow as tf
 current = threading.local()
 
 
-def resume_current_fit_at(epoch: int, step: int) -> bool:
+def fit_iterator():
+    """A weak reference to the running `fit`'s epoch iterator: call from `on_train_begin`
+    (later, `evaluate` and `fit`'s validation make iterators of their own). None: none known."""
+    return getattr(current, "iterator", None)
+
+
+def _epoch_iterator(reference=None):
+    reference = reference if reference is not None else fit_iterator()
+    return reference() if reference is not None else None
+
+
+def epoch_draw(mid_epoch: bool, reference=None) -> int | None:
+    """The iterator count (see the module's docstring) at which a resumed epoch must start.
+
+    ``mid_epoch``: the running epoch's own (a backup that resumes inside it), else the
+    next epoch's (a backup written at an epoch's end). ``reference``: `fit_iterator()`'s,
+    kept from ``on_train_begin``. None: no `fit` known here.
+    """
+    iterator = _epoch_iterator(reference)
+    if iterator is None:
+        return None
+    _count_iterators(iterator)
+    return iterator.__dict__.get("_kr_epoch_draw", 0) if mid_epoch else iterator._kr_made
+
+
+def distributed_dataset(reference=None):
+    """The distributed dataset the `fit` of ``reference`` (default: the running one) trains on."""
+    iterator = _epoch_iterator(reference)
+    return None if iterator is None else getattr(iterator, "_distributed_dataset", None)
+
+
+def _count_iterators(self) -> None:
+    """Wraps the epoch iterator's `_get_iterator` (once) to count the iterators it makes."""
+    if "_kr_made" in self.__dict__:
+        return
+    self._kr_made = 0
+    get_iterator = self._get_iterator
+
+    def counted_get_iterator():
+        self._kr_made += 1
+        return get_iterator()
+
+    self._get_iterator = counted_get_iterator
+
+
+def _advance_to(self, draw: int | None) -> None:
+    """Throwaway iterators until the next one is the `draw`-th (epoch orders as uninterrupted)."""
+    if draw is None or self.steps_per_epoch:  # with steps_per_epoch the epochs are replayed
+        return
+    missing = int(draw) - self._kr_made
+    if missing <= 0:
+        return
+    from keras_replicator import resume  # here: it imports _compat modules
+
+    if not resume.advance_shuffles(self._distributed_dataset, missing):
+        for _ in range(missing):  # a dataset keras_replicator did not build: Keras's own iterators
+            iter(self._distributed_dataset)
+    self._kr_made = int(draw)
+
+
+def resume_current_fit_at(epoch: int, step: int, draw: int | None = None) -> bool:
     """Makes the running `fit` skip the data of `epoch`'s first `step` steps (and of the
     epochs before it when batches carry over between epochs, with ``steps_per_epoch``).
 
     Called from `BackupAndRestore.on_train_begin` (keras_checkpointing) after a backup
-    written mid-epoch at a preemption was restored. Returns False if no iterator is known.
+    was restored. ``draw``: the iterator count the backup recorded for `epoch`
+    (`epoch_draw`); reshuffling pipelines then read that epoch's order. Returns False
+    if no iterator is known.
     """
-    iterator = getattr(current, "iterator", None)
-    iterator = iterator() if iterator is not None else None
+    iterator = _epoch_iterator()
     if iterator is None:
         return False
-    iterator._kr_resume = (int(epoch), int(step))
+    iterator._kr_resume = (int(epoch), int(step), None if draw is None else int(draw))
     return True
 
 
@@ -78,9 +148,15 @@ def resume_from_mid_epoch(original):
     """
 
     def _enumerate_iterator(self):
-        resume = self.__dict__.pop("_kr_resume", None)
-        if resume is None:
+        _count_iterators(self)
+        pending = self.__dict__.pop("_kr_resume", None)
+        if pending is not None:
+            _advance_to(self, pending[2])
+        # The count at which this epoch's iterator is made (if it makes one: not when
+        # steps_per_epoch carries an iterator over, then the epochs are replayed).
+        self._kr_epoch_draw = self._kr_made
+        if pending is None or not pending[1] and not self.steps_per_epoch:
             return original(self)
-        return _fast_forward(self, original, *resume)
+        return _fast_forward(self, original, *pending[:2])
 
     return _enumerate_iterator

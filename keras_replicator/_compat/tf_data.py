@@ -3,9 +3,11 @@
 Which batch transformation a dataset ends with (to tell batched from unbatched
 input), how many files it reads (to choose file or data sharding before any
 work), TensorFlow's file-sharding rewrite itself (`_AutoShardDataset`), and the
-cardinality a distributed dataset reports. All read the Python objects tf.data
-builds (`_input_dataset`, `_batch_size`, `_filenames`, `_map_func`,
-`_cardinality`), stable since TF 2.4; checked on TensorFlow 2.16-2.21.
+cardinality a distributed dataset reports, the reshuffling shuffles a pipeline
+reads from (to advance their seeds when a run resumes). All read the Python
+objects tf.data builds (`_input_dataset`, `_inputs()`, `_batch_size`,
+`_filenames`, `_map_func`, `_reshuffle_each_iteration`, `_cardinality`), stable
+since TF 2.4; checked on TensorFlow 2.16-2.21.
 """
 
 from __future__ import annotations
@@ -149,3 +151,24 @@ def set_distributed_cardinality(distributed_dataset, steps: int) -> None:
     only to recognise infinite and empty datasets (TF 2.16-2.21).
     """
     distributed_dataset._cardinality = steps
+
+
+def reshuffling_shuffles(dataset: tf.data.Dataset) -> list[tf.data.Dataset]:
+    """The ``shuffle(..., reshuffle_each_iteration=True)`` datasets ``dataset`` reads from.
+
+    Found through every transformation's inputs (``_inputs()``), each once; not inside
+    the functions of ``interleave``/``flat_map`` (those are remade per element).
+    """
+    found, seen, stack = [], set(), [dataset]
+    while stack:
+        ds = _unwrap_dataset(stack.pop())
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if type(ds).__name__ == "_ShuffleDataset" and getattr(ds, "_reshuffle_each_iteration", False):
+            found.append(ds)
+        try:
+            stack.extend(ds._inputs())
+        except (AttributeError, NotImplementedError):
+            continue
+    return found
