@@ -199,7 +199,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             state per device shrinks to about ``1/N``. Checkpoints keep the
             unsharded format. See `keras_replicator.optimizers.state_sharding`
             and the guide "Memory". On several workers the state is shared
-            over each worker's own devices.
+            over all the job's replicas (each worker holds ``1/W``).
     """
 
     def __init__(

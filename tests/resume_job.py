@@ -133,14 +133,18 @@ def main(argv: list[str]) -> None:
         at = tuple(int(v) for v in argv[i + 1:i + 4])
     if "TF_CONFIG" not in os.environ:
         kr.simulate_devices(devices)
-    strategy = kr.ReplicatorStrategy(failure_timeout=30.0)
+    strategy = kr.ReplicatorStrategy(
+        failure_timeout=30.0,
+        shard_optimizer_state=os.environ.get("KR_TEST_SHARD_OPTIMIZER_STATE") == "1",
+    )
     with strategy.scope():
         model = build_model(os.path.join(out_dir, f"ids.worker{strategy.worker_index}.txt"))
     backup = keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"))
     fit(model, kind, [backup, SigtermAt(strategy, at)], strategy)
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(out_dir, f"weights.worker{strategy.worker_index}.npz"), **weights)
-    print(f"finished on {strategy.num_replicas_in_sync} replicas", flush=True)
+    sharded = ", optimizer state sharded" if strategy.shard_optimizer_state else ""
+    print(f"finished on {strategy.num_replicas_in_sync} replicas{sharded}", flush=True)
 
 
 if __name__ == "__main__":

@@ -95,16 +95,17 @@ def test_fit_evaluate_predict_primitives_and_checkpoints(tmp_path, devices):
         assert report["num_workers"] == 2 and report["num_replicas"] == n
         assert report["local_devices"] == [f"/job:worker/replica:0/task:{i}/device:CPU:{d}" for d in range(devices)]
 
-    # SGD's momentum of 8 x 16 + 16 (Dense), 16 + 16 (batch norm), 16 + 1 (Dense) floats: on
-    # the one local device (2x1), or each variable's on one of the two (2x2), plus the
-    # iteration count (int64) and the learning rate on every device.
+    # SGD's momentum of 8 x 16 + 16 (Dense), 16 + 16 (batch norm), 16 + 1 (Dense) floats: whole
+    # on each worker's one device (2x1), or each variable's on one of the job's 4 replicas
+    # (2x2: the two workers share it), plus the iteration count (int64) and the learning rate
+    # on every device.
     momentum_bytes = 4 * (8 * 16 + 16 + 16 + 16 + 16 + 1)
-    for report in (chief, other):
-        per_device = sorted(report["optimizer_state_bytes"].values())
-        if devices == 1:
-            assert per_device == [momentum_bytes + 12]
-        else:
-            assert sum(per_device) == momentum_bytes + 2 * 12 and max(per_device) < momentum_bytes
+    held = [sorted(report["optimizer_state_bytes"].values()) for report in (chief, other)]
+    if devices == 1:
+        assert held == [[momentum_bytes + 12], [momentum_bytes + 12]]
+    else:
+        assert sum(map(sum, held)) == momentum_bytes + 4 * 12
+        assert max(map(max, held)) - 12 <= momentum_bytes / 4 + 4 * 8 * 16, held
 
     # Identical on both workers: weights, predictions, metrics.
     for a, b in zip(weights_of(chief_arrays), weights_of(other_arrays)):
@@ -158,9 +159,15 @@ def test_fit_evaluate_predict_primitives_and_checkpoints(tmp_path, devices):
     with open(out / "backup" / "training_metadata.json") as f:
         assert json.load(f)["epoch"] == 2
     saved = job.regression_model()
+    job.compile_model(saved)
+    saved.optimizer.build(saved.trainable_variables)
     saved.load_weights(str(out / "ckpt" / "epoch2.weights.h5"))
     for a, b in zip(saved.get_weights(), weights_of(chief_arrays)):
         np.testing.assert_array_equal(a, b)
+    # The optimizer's whole state, in the one-device layout, also where the job sharded it
+    # over both workers: the file's momentum is one device's after the same 2 epochs.
+    for a, b in zip(saved.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-5, rtol=1e-4)
 
     # A backup only the chief sees (backup_dir not shared): both workers refuse to train.
     assert chief["unshared_backup"].startswith(
@@ -188,8 +195,9 @@ def _start_workers(args: list[str], env: dict) -> list[subprocess.Popen]:
 
 
 def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_chiefs_backup(tmp_path):
+    """With the optimizer state sharded over the 2 workers: each restores its own share."""
     failure_timeout = 8.0
-    env = _env(KR_TEST_FAILURE_TIMEOUT=str(failure_timeout))
+    env = _env(KR_TEST_FAILURE_TIMEOUT=str(failure_timeout), KR_TEST_SHARD_OPTIMIZER_STATE="1")
     # Run 1: worker 1 waits after epoch 1 (two epochs done) and is killed there; worker 0,
     # already in epoch 2's first step, must stop by itself with the clear error.
     workers, addresses = _start_workers(["resume", str(tmp_path), "--wait-after-epoch", "1"], env)

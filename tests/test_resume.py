@@ -96,9 +96,14 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
-    """A 2-replica run of the shuffled job, SIGTERMed while batch 2 of epoch 1 runs: its folder."""
+    """A 2-replica run of the shuffled job, SIGTERMed while batch 2 of epoch 1 runs: its folder.
+
+    Its optimizer state is sharded over the 2 replicas; the backup has the unsharded format,
+    so the tests resume it unsharded (same shape) and sharded over 4 replicas (grow).
+    """
     out = tmp_path_factory.mktemp("preempted")
-    first = _finish(_start(out, ["--devices", "2", "--sigterm-at", "0", "1", "2"], _env()))
+    first = _finish(_start(out, ["--devices", "2", "--sigterm-at", "0", "1", "2"],
+                           _env(KR_TEST_SHARD_OPTIMIZER_STATE="1")))
     assert first.returncode == 143, first.stdout[-4000:]
     assert "stopped after step 3 of epoch 1" in first.stdout, first.stdout[-4000:]
     assert sorted(_ids_by_step(out)) == ALL_STEPS[:STEPS_PER_EPOCH + 3]
@@ -139,9 +144,10 @@ def test_growing_from_2_to_4_replicas_refuses_3_first_then_resumes_exactly(preem
                    "kr.optimizers.CrossReplicaOptimizer(optimizer, accumulation_steps=k)"):
         assert choice in three.stdout, three.stdout[-4000:]
     assert _ids_by_step(out) == logged  # refused before any step
-    four = _finish(_start(out, ["--devices", "4"], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))
+    four = _finish(_start(out, ["--devices", "4"],
+                          _env(KERAS_REPLICATOR_RESTART_COUNT="1", KR_TEST_SHARD_OPTIMIZER_STATE="1")))
     assert four.returncode == 0, four.stdout[-4000:]
-    assert "finished on 4 replicas" in four.stdout
+    assert "finished on 4 replicas, optimizer state sharded" in four.stdout
     gap = _check_against(out, reference)
     print(f"grow 2 -> 4 replicas, reshuffling pipeline: weight gap {gap:.2g}; {_first_step(four.stdout)}")
 

@@ -26,8 +26,11 @@ Why: tf.distribute mirrors every variable, slots included, so the optimizer
 state is stored once per replica; nothing in TensorFlow or Keras shards it.
 Whole variables are owned, so ``update_step`` sees a variable of its own shape
 (any optimizer works) and every slot is saved whole, in the unsharded format.
-Owners are local replicas: on several workers each worker holds the whole
-state, shared over its own devices.
+On several workers the owners are all the job's replicas: a slot owned on
+another worker is an empty placeholder here, and `TFOptimizer.save_own_variables`
+/ `load_own_variables` (patched) gather the whole state to write it (every
+worker saves together, as the checkpoint callbacks do) and load each worker's
+own slots, so the files keep the unsharded format.
 """
 
 from __future__ import annotations
@@ -59,26 +62,52 @@ def _tf_variable(variable):
 
 
 class _Plan:
-    """Who owns which model variable; which one the optimizer's build is at."""
+    """Who owns which model variable (global replica indices); where the build is at."""
 
     def __init__(self, optimizer, variables):
         strategy = optimizer._distribution_strategy
+        self.strategy = strategy
         self.devices = list(strategy.extended.worker_devices)
         self.first_replica = strategy.extended.worker_index * len(self.devices)
+        self.num_replicas = strategy.num_replicas_in_sync
         self.variables = variables
         sizes = [int(v.shape.num_elements() or 0) for v in variables]
-        self.owners = partition(sizes, len(self.devices))
+        self.owners = partition(sizes, self.num_replicas)
         self.index_by_key = {optimizer._var_key(v): i for i, v in enumerate(variables)}
         # The model variable the build is at next: Adafactor makes a variable's factored
         # moments (add_variable) just before its velocity (by reference).
         self.cursor = 0
         self.placing = False
+        # Every sharded slot (by id): its owner and whole shape. A slot whose owner is on
+        # another worker is an empty placeholder here (`remote`).
+        self.slot_owner: dict[int, int] = {}
+        self.slot_shape: dict[int, tuple] = {}
+        self.remote: set[int] = set()
+        self.gather = None
 
     def owner_of(self, optimizer, variable) -> int | None:
         index = self.index_by_key.get(optimizer._var_key(variable))
         if index is not None:
             self.cursor = index + 1
         return None if index is None else self.owners[index]
+
+    def local_device(self, owner: int) -> str | None:
+        local = owner - self.first_replica
+        return self.devices[local] if 0 <= local < len(self.devices) else None
+
+    def make_slot(self, owner: int, shape, make):
+        """`make(shape)` on the owner's device, or an empty placeholder if it is elsewhere."""
+        device = self.local_device(owner)
+        self.placing = True
+        try:
+            with _on_device(self.strategy, device or self.devices[0]):
+                slot = make(tuple(shape) if device else (0,))
+        finally:
+            self.placing = False
+        self.slot_owner[id(slot)], self.slot_shape[id(slot)] = owner, tuple(shape)
+        if device is None:
+            self.remote.add(id(slot))
+        return slot
 
 
 @contextlib.contextmanager
@@ -124,15 +153,12 @@ def _add_variable_from_reference(original):
         owner = None if plan is None else plan.owner_of(self, reference_variable)
         if owner is None:
             return original(self, reference_variable, name=name, initializer=initializer)
-        plan.placing = True
-        try:
-            with _on_device(self._distribution_strategy, plan.devices[owner]):
-                # Past TFOptimizer's override, which would mirror it beside its reference.
-                return super(TFOptimizer, self).add_variable_from_reference(
-                    reference_variable, name=name, initializer=initializer
-                )
-        finally:
-            plan.placing = False
+        # BaseOptimizer.add_variable_from_reference's naming, past TFOptimizer's override
+        # (which would mirror the slot beside its reference).
+        prefix = getattr(reference_variable, "path", None) or str(reference_variable.name)
+        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name or 'var'}"
+        return plan.make_slot(owner, reference_variable.shape, lambda shape: self.add_variable(
+            shape, initializer=initializer, dtype=reference_variable.dtype, name=name))
 
     return add_variable_from_reference
 
@@ -152,8 +178,8 @@ def _add_variable(original):
                 "the replica that keeps it. Create slots with "
                 "add_variable_from_reference(model_variable), or turn sharding off."
             )
-        with _on_device(self._distribution_strategy, plan.devices[plan.owners[at]]):
-            return original(self, shape, *args, name=name, **kwargs)
+        return plan.make_slot(plan.owners[at], shape, lambda shape: original(
+            self, shape, *args, name=name, **kwargs))
 
     return add_variable
 
@@ -177,7 +203,7 @@ def _sharded_update(self, grads, variables, learning_rate):
     n = tf.distribute.get_replica_context().num_replicas_in_sync
     copies, owners = [], []
     for grad, var in grads_and_vars:
-        owner = plan.first_replica + plan.owners[plan.index_by_key[self._var_key(var)]]
+        owner = plan.owners[plan.index_by_key[self._var_key(var)]]
         copy = var._get() if isinstance(var, tf.distribute.DistributedValues) else var
         if owner == me and grad is not None:
             if self.weight_decay is not None and self._use_weight_decay(var):
@@ -207,6 +233,61 @@ def _backend_update_step(original):
     return _backend_update_step
 
 
+def _whole_state(self) -> list:
+    """Every optimizer variable's whole value (a collective: every worker calls it together)."""
+    plan = self._kr_plan
+    variables = self.variables
+    slots = [i for i, v in enumerate(variables) if id(v) in plan.slot_owner]
+    owners = [plan.slot_owner[id(variables[i])] for i in slots]
+    if plan.gather is None:
+
+        @tf.function
+        def gather():
+            def replica_gather():
+                me = plan.first_replica + values_util.get_current_replica_id_as_int()
+                values = [
+                    variables[i].value.read_value() if owner == me
+                    else tf.zeros(plan.slot_shape[id(variables[i])], variables[i].dtype)
+                    for i, owner in zip(slots, owners)
+                ]
+                return gather_owned_values(values, owners, me, plan.num_replicas)
+
+            return plan.strategy.run(replica_gather)
+
+        plan.gather = gather
+    whole = [v.numpy() for v in plan.strategy.experimental_local_results(plan.gather())[0]]
+    out = [None if id(v) in plan.slot_owner else v.numpy() for v in variables]
+    for i, value in zip(slots, whole):
+        out[i] = value
+    return out
+
+
+def _save_own_variables(original):
+    @functools.wraps(original)
+    def save_own_variables(self, store):
+        plan = getattr(self, "_kr_plan", None)
+        if plan is None or not plan.remote:
+            return original(self, store)
+        # Slots owned on other workers are gathered: the file has the unsharded format.
+        for i, value in enumerate(_whole_state(self)):
+            store[str(i)] = value
+
+    return save_own_variables
+
+
+def _load_own_variables(original):
+    @functools.wraps(original)
+    def load_own_variables(self, store):
+        plan = getattr(self, "_kr_plan", None)
+        if plan is None or not plan.remote or len(store.keys()) != len(self.variables):
+            return original(self, store)  # (a count that differs: Keras's own warning)
+        for i, variable in enumerate(self.variables):
+            if id(variable) not in plan.remote:  # another worker loads that one
+                variable.assign(store[str(i)])
+
+    return load_own_variables
+
+
 # Installed by keras_replicator._compat.install(), undone by uninstall().
 PATCHES = (
     ScopedPatch(TFOptimizer, "build", _build),
@@ -214,4 +295,6 @@ PATCHES = (
     ScopedPatch(TFOptimizer, "add_variable", _add_variable),
     ScopedPatch(TFOptimizer, "_apply_weight_decay", _apply_weight_decay),
     ScopedPatch(TFOptimizer, "_backend_update_step", _backend_update_step),
+    ScopedPatch(TFOptimizer, "save_own_variables", _save_own_variables),
+    ScopedPatch(TFOptimizer, "load_own_variables", _load_own_variables),
 )

@@ -18,6 +18,9 @@ replicas, sharded or not. The owners are chosen by sorted-greedy partition of
 the variables' sizes (`partition`), as torch's ``ZeroRedundancyOptimizer``
 does: each replica's share is within one variable of ``1/N`` of the total.
 
+On several workers the owners are all the job's replicas; Keras's saving gathers
+the whole state to write it.
+
 This module holds the parts that need no private API: the partition, the
 bytes per device and the all-gather of the owners' new values. What hooks
 into Keras's optimizers is in ``keras_replicator._compat.keras_sharded_optimizer``.
