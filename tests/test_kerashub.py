@@ -23,7 +23,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator import launch as launcher
 from tests import hub_models as hub
-from tests.helpers import ROOT
+from tests.helpers import ROOT, python_blocks
 
 TOLERANCE = 1e-5  # on every loss and every weight, against one device
 
@@ -164,16 +164,36 @@ def test_masked_lm_keras_io_recipe(bert_tokenizer):
     assert_trained_as_one_device(reference, reference_losses, replicated, losses, "BERT masked LM")
 
 
-def test_causal_lm_with_lora_in_mixed_bfloat16_trains(gpt2_tokenizer):
-    strategy = kr.ReplicatorStrategy()
-    with strategy.scope():
-        model = hub.gpt2_causal_lm(gpt2_tokenizer, lora_rank=2, dtype="mixed_bfloat16")
-        hub.compile_causal_lm(model)
-    losses = model.fit(hub.TEXT, **hub.FIT).history["loss"]
-    assert model.backbone.compute_dtype == "bfloat16"
-    assert {w.dtype for w in model.weights} == {"float32"}
-    kr.testing.assert_replicas_identical(model)
+def run_guide_example(index: int, tmp_path, monkeypatch) -> dict:
+    """Runs ```python block ``index`` of docs/kerashub.md as written, in this process (it asks for
+    the 4 devices this process has) and in ``tmp_path``; returns its variables."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(python_blocks("docs/kerashub.md")[index], f"docs/kerashub.md block {index}", "exec"), namespace)
+    return namespace
+
+
+def test_guide_classifier_example(tmp_path, monkeypatch):
+    example = run_guide_example(0, tmp_path, monkeypatch)
+    classifier, history = example["classifier"], example["history"].history
+    assert example["strategy"].num_replicas_in_sync == 4
+    kr.testing.assert_replicas_identical(classifier)
+    assert history["loss"][-1] < history["loss"][0]
+
+
+def test_guide_causal_lm_with_lora_in_mixed_bfloat16_example(tmp_path, monkeypatch):
+    example = run_guide_example(1, tmp_path, monkeypatch)
+    lm, reloaded, losses = example["lm"], example["reloaded"], example["history"].history["loss"]
+    assert lm.backbone.compute_dtype == "bfloat16" and {w.dtype for w in lm.weights} == {"float32"}
+    assert any("lora_kernel" in w.path for w in lm.trainable_weights)
+    kr.testing.assert_replicas_identical(lm)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert reloaded.backbone.compute_dtype == "bfloat16"
+    # Keras saves a LoRA layer's kernel with its adapters merged in (on one device too).
+    assert not any("lora" in w.path for w in reloaded.weights)
+    prompts = ["the cat", "a dog"]
+    assert list(reloaded.generate(prompts, max_length=20, stop_token_ids=None)) == list(
+        lm.generate(prompts, max_length=20, stop_token_ids=None))
 
 
 def test_causal_lm_on_two_workers(gpt2_one_device, tmp_path):
