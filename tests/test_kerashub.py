@@ -5,6 +5,10 @@ text, tokenizers made here, no download). KerasHub's preprocessors emit a bool
 ``padding_mask`` (causal LMs also a bool ``sample_weight``), which stock
 ``MirroredStrategy`` cannot reduce when Keras builds the model from the first batch
 ("Value for attr 'T' of bool is not in the list of allowed values ... AddN").
+
+Also here: the ```python blocks of docs/kerashub.md (run as written, in this process),
+keras-io's data-parallel KerasHub example (examples/kerashub_data_parallel.py, in a
+fresh interpreter) and the GPT-2 causal LM on 2 workers (tests/hub_job.py).
 """
 
 from __future__ import annotations
