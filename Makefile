@@ -8,10 +8,15 @@ STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
 .PHONY: demo test lint docs notebooks bench bench-quick bench-d4pg bench-sngan clean
 
+# A .venv made before the `cpu` extra installed `tensorflow` holds `tensorflow-cpu`: the same
+# package under another name, sharing its files. Both names are removed first, so that the
+# install leaves exactly one TensorFlow.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),test,docs,rl,ray,k8s]"
+	if $(PY) -m pip show --quiet tensorflow-cpu >/dev/null 2>&1; then \
+		$(PY) -m pip uninstall --yes --quiet tensorflow-cpu tensorflow; fi
+	$(PY) -m pip install --quiet -e ".[$(TF_EXTRA),hub,test,docs,rl,ray,k8s]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -68,6 +68,8 @@ RUN_ELSEWHERE = {
     ("docs/callbacks.md", 2): "tests/test_callbacks.py",
     ("docs/input.md", 0): "tests/test_data_docs.py",
     ("docs/input.md", 1): "tests/test_data_docs.py",
+    ("docs/kerashub.md", 0): "tests/test_kerashub.py",
+    ("docs/kerashub.md", 1): "tests/test_kerashub.py",
     ("docs/kubernetes.md", 0): "tests/test_kubernetes.py",
     ("docs/multi_worker.md", 0): "tests/test_multi_worker.py",
     ("docs/optimizers.md", 0): "tests/test_optimizers.py",
