@@ -81,9 +81,10 @@ def gpt2_causal_lm(tokenizer, seed: int = 1, lora_rank: int | None = None, dtype
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=preprocessor)
 
 
-def compile_causal_lm(model, learning_rate: float = 1e-2) -> None:
-    """Adam, and greedy sampling: ``generate`` is deterministic."""
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate), sampler="greedy")
+def compile_causal_lm(model, learning_rate: float = 1e-2, optimizer=None) -> None:
+    """Adam (or ``optimizer``), and greedy sampling: ``generate`` is deterministic."""
+    optimizer = optimizer or keras.optimizers.Adam(learning_rate)
+    model.compile(optimizer=optimizer, sampler="greedy")
 
 
 def gemma_proto() -> bytes:

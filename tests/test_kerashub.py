@@ -127,10 +127,10 @@ def test_gpt2_causal_lm_generate_save_and_reload(gpt2_tokenizer, gpt2_one_device
     assert generated(loaded) == outputs
 
 
-def test_gpt2_causal_lm_with_lora(gpt2_tokenizer):
+def test_gpt2_causal_lm_with_lora_and_adamw_also_with_sharded_optimizer_state(gpt2_tokenizer):
     def build():
         model = hub.gpt2_causal_lm(gpt2_tokenizer, lora_rank=2)
-        hub.compile_causal_lm(model)
+        hub.compile_causal_lm(model, optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.01))
         return model
 
     reference, reference_losses, replicated, losses = train_both(build, dict(x=hub.TEXT))
@@ -138,6 +138,18 @@ def test_gpt2_causal_lm_with_lora(gpt2_tokenizer):
     assert any("lora_kernel" in p for p in trainable)
     assert len(trainable) < len(replicated.weights)  # the attention kernels are frozen
     assert_trained_as_one_device(reference, reference_losses, replicated, losses, "GPT-2 causal LM, LoRA rank 2")
+
+    # The same fine-tuning with AdamW's moments sharded over the 4 replicas: the same weights.
+    with kr.ReplicatorStrategy(shard_optimizer_state=True).scope():
+        sharded = build()
+    sharded_losses = fit(sharded, dict(x=hub.TEXT))
+    kr.testing.assert_replicas_identical(sharded)
+    gap = kr.testing.max_weight_difference(sharded, replicated)
+    print(f"GPT-2 LoRA, AdamW sharded over 4 replicas: weights against unsharded {gap:.2e}")
+    assert gap <= 1e-6 and np.max(np.abs(np.subtract(sharded_losses, losses))) <= 1e-6
+    held = kr.optimizers.state_bytes_per_device(sharded.optimizer)
+    whole = kr.optimizers.state_bytes_per_device(replicated.optimizer)
+    assert len(held) == 4 and max(held.values()) < max(whole.values()) / 2
 
 
 def test_gemma_causal_lm_with_a_local_sentencepiece_proto(gemma_proto):
