@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_replicator.collectives import all_gather
@@ -80,7 +81,7 @@ def _components(variable) -> list:
     return [value]
 
 
-def state_bytes_per_device(optimizer) -> dict[str, int]:
+def state_bytes_per_device(optimizer: keras.optimizers.Optimizer) -> dict[str, int]:
     """Bytes of an optimizer's variables on each device, summed from where they live.
 
     A mirrored variable counts once on every device it has a copy on; a
