@@ -16,6 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHED_JOB_EXAMPLES, LAUNCHED_JOB_BATCH = 64, 16
 
 
+def launch_env(**extra) -> dict[str, str]:
+    """This process's environment for a job the launcher starts: none of this process's devices
+    or cluster, unbuffered output, TensorFlow's INFO and WARNING logs off; plus ``extra``."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
+        env.pop(name, None)
+    return dict(env, **extra)
+
+
 def regression_data(n=64, d=8, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, d)).astype("float32")

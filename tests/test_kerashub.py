@@ -27,7 +27,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator import launch as launcher
 from tests import hub_models as hub
-from tests.helpers import ROOT, python_blocks
+from tests.helpers import ROOT, launch_env, python_blocks
 
 TOLERANCE = 1e-5  # on every loss and every weight, against one device
 
@@ -213,9 +213,7 @@ def test_guide_causal_lm_with_lora_in_mixed_bfloat16_example(tmp_path, monkeypat
 
 
 def test_causal_lm_on_two_workers(gpt2_one_device, tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
-        env.pop(name, None)
+    env = launch_env()
     out = io.StringIO()
     code = launcher.launch(os.path.join(ROOT, "tests", "hub_job.py"), [str(tmp_path)], workers=2,
                            devices_per_worker=1, env=env, timeout=400, output=out)

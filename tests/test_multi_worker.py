@@ -23,17 +23,13 @@ import pytest
 
 from keras_replicator import launch as launcher
 from tests import multi_worker_job as job
-from tests.helpers import ROOT, assert_chance_agreement, dropout_masks, regression_data
+from tests.helpers import ROOT, assert_chance_agreement, dropout_masks, launch_env, regression_data
 
 JOB = os.path.join(ROOT, "tests", "multi_worker_job.py")
 LAUNCH_TIMEOUT = 400  # seconds; the launcher stops every worker after this
 
 
-def _env(**extra) -> dict[str, str]:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
-        env.pop(name, None)
-    return dict(env, **extra)
+_env = launch_env
 
 
 def launch(*args: str, devices: int | None = None, env=None) -> tuple[int, str]:

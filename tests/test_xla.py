@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator.applications import d4pg, sngan
-from tests.helpers import ROOT, conv_model, image_data
+from tests.helpers import ROOT, conv_model, image_data, launch_env
 
 X, Y = image_data(n=32, size=8, classes=4)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -199,9 +199,7 @@ def test_two_workers_with_xla_equal_one_device(one_device, tmp_path):
     from tests import xla_job
 
     assert (xla_job.EXAMPLES, xla_job.BATCH, xla_job.EPOCHS) == (len(X), 16, 2)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
-        env.pop(name, None)
+    env = launch_env()
     out = io.StringIO()
     code = launcher.launch(os.path.join(ROOT, "tests", "xla_job.py"), [str(tmp_path)], workers=2,
                            devices_per_worker=1, env=env, timeout=400, output=out)
