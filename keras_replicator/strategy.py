@@ -165,8 +165,12 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             all-reduces (e.g. ``tf.distribute.NcclAllReduce()``,
             ``tf.distribute.ReductionToOneDevice()``). ``None`` chooses by the
             devices (`default_cross_device_ops`): NCCL on GPUs, a
-            reduction on one device over CPU devices. One machine only;
-            across workers choose ``communication``.
+            reduction on one device over CPU devices, for reductions across
+            replicas outside a step; inside a step traced once every replica
+            all-reduces with its own collective launcher. Given here, a
+            ``CrossDeviceOps`` that is not a collective all-reduce also does a
+            step's all-reduces, and the step is traced per replica. One
+            machine only; across workers choose ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
             at a Kubernetes JobSet pod's, then at Slurm's environment (see
@@ -200,6 +204,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             unsharded format. See `keras_replicator.optimizers.state_sharding`
             and the guide "Memory". On several workers the state is shared
             over all the job's replicas (each worker holds ``1/W``).
+        trace_once: trace the replica step once and call it on every
+            replica (the default), so that the time to the first step stays
+            about flat as replicas are added. ``False`` goes back to
+            TensorFlow's tracing of one copy per replica, for debugging. A step
+            that cannot be traced once (it creates variables, or calls
+            ``merge_call``) is traced per replica either way, which is logged
+            once at INFO level with the reason. See the guide "Performance".
     """
 
     def __init__(
@@ -213,8 +224,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         startup_timeout: float = 300.0,
         on_sigterm: str | None = None,
         shard_optimizer_state: bool = False,
+        trace_once: bool = True,
     ):
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
+        trace_once = check_bool("trace_once", trace_once)
         if cross_device_ops is not None and not isinstance(
             cross_device_ops, tf.distribute.CrossDeviceOps
         ):
@@ -249,9 +262,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 communication=implementation,
                 failure_timeout=failure_timeout,
                 startup_timeout=startup_timeout,
+                trace_once=trace_once,
             )
         else:
             device_names = _normalise_devices(devices)
+            chosen = cross_device_ops is not None
             if cross_device_ops is None and communication == "auto":
                 cross_device_ops = default_cross_device_ops(device_names)
             extended = engines.ReplicatorExtended(
@@ -259,15 +274,21 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 devices=device_names,
                 cross_device_ops=cross_device_ops,
                 communication=None if communication == "auto" else implementation,
+                trace_once=trace_once,
+                cross_device_ops_chosen=chosen,
             )
         super().__init__(extended)
         if self.on_sigterm == "fatal" and self.num_workers > 1:
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
         keras_trainer.register_strategy(self)
+        all_reduce = _announce.all_reduce_name(extended.cross_device_ops, communication)
+        in_steps = extended.step_all_reduce()
+        if in_steps is not None and in_steps is not extended.cross_device_ops:
+            all_reduce = (f"{_announce.all_reduce_name(in_steps, communication)} in steps, "
+                          f"{all_reduce} outside them")
         _announce.announce(
-            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices,
-            _announce.all_reduce_name(extended.cross_device_ops, communication),
+            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices, all_reduce,
             self.num_workers, self.worker_index,
         )
 

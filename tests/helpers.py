@@ -58,7 +58,7 @@ def conv_model(size=8, channels=3, classes=4, seed=1):
 
 def run_python(code: str, *, devices: int | None = None, timeout: int = 300, env=None):
     """Runs ``code`` in a fresh interpreter (own device configuration); returns the result."""
-    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     full_env.pop("KR_TEST_DEVICES", None)
     prefix = f"import keras_replicator as kr\nkr.simulate_devices({devices})\n" if devices else ""
     return subprocess.run(

@@ -72,6 +72,13 @@ def test_steps_per_execution_works_with_the_default():
     kr.testing.assert_replicas_identical(model)
 
 
+def _packed_strategy():
+    # Chosen, so that steps all-reduce with it (by default a step traced once
+    # all-reduces with each device's collective launcher).
+    return kr.ReplicatorStrategy(cross_device_ops=kr.PackedReductionToOneDevice(
+        accumulation_fn=cdo_module._sum_on_host))
+
+
 def _unpacked_strategy():
     return kr.ReplicatorStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice(
         accumulation_fn=cdo_module._sum_on_host))
@@ -94,7 +101,7 @@ def _mixed_batch(replica: int) -> dict:
 def test_packed_batch_reduction_is_bitwise_the_unpacked_one(monkeypatch, op):
     # "large" (1200 bytes) is over the pack limit here, so it is reduced alone.
     monkeypatch.setattr(cdo_module, "_PACK_MAX_BYTES", 1024)
-    packed, unpacked = kr.ReplicatorStrategy(), _unpacked_strategy()
+    packed, unpacked = _packed_strategy(), _unpacked_strategy()
     ops = packed.extended.cross_device_ops
     calls = []
     single = ops.reduce_implementation
@@ -129,7 +136,7 @@ def test_packed_batch_reduction_is_bitwise_the_unpacked_one(monkeypatch, op):
 
 
 def test_sparse_gradients_are_reduced_alone_and_exactly():
-    packed, unpacked = kr.ReplicatorStrategy(), _unpacked_strategy()
+    packed, unpacked = _packed_strategy(), _unpacked_strategy()
 
     def grads_with(strategy):
         with strategy.scope():
@@ -168,7 +175,7 @@ def test_training_with_packing_is_bitwise_training_without():
 
     x, y = image_data(64)
     weights = []
-    for strategy in (kr.ReplicatorStrategy(), _unpacked_strategy()):
+    for strategy in (_packed_strategy(), _unpacked_strategy()):
         with strategy.scope():
             model = conv_model()
             model.compile(keras.optimizers.SGD(0.1, momentum=0.9),

@@ -45,7 +45,8 @@ def test_one_start_up_line_of_our_own_and_tensorflow_details_only_on_request():
     before, after = result.stderr.split("---- verbosity raised ----")
     ours = [line for line in before.splitlines() if line.startswith("keras_replicator:")]
     assert ours == ["keras_replicator: ReplicatorStrategy: 2 replica(s) on 2 local device(s): "
-                    "CPU:0, CPU:1; all-reduce: PackedReductionToOneDevice"], before[-2000:]
+                    "CPU:0, CPU:1; all-reduce: CollectiveAllReduce in steps, "
+                    "PackedReductionToOneDevice outside them"], before[-2000:]
     assert "INFO:tensorflow:" not in before and "MirroredStrategy" not in before, before[-2000:]
     assert "INFO:tensorflow:Reduce to" in after, after[-2000:]
 

@@ -26,6 +26,7 @@ installed version is outside the range a module was checked on.
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
+| `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -70,6 +71,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
+    "replica_trace": ("tensorflow", "2.21", "2.21"),
 }
 
 

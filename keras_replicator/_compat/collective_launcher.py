@@ -59,6 +59,31 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
             return tf.cast(self._KEY_BASE + count % self._KEY_BASE, tf.int32)
 
 
+    def batch_all_reduce(self, input_tensor_packs, options=None):
+        """TensorFlow's, with each pack split by dtype.
+
+        Why (TF 2.21): `CollectiveAllReduce._all_reduce` (the replica-context
+        all-reduce without a merge call, which a step traced once uses) packs
+        every dense value into one pack whatever its dtype, and the pack's
+        `concat` then fails on mixed float32 and float64 values.
+        """
+        outputs = []
+        for pack in input_tensor_packs:
+            by_dtype: dict = {}
+            for i, t in enumerate(pack):
+                by_dtype.setdefault(t.dtype, []).append(i)
+            if len(by_dtype) <= 1:
+                outputs.extend(super().batch_all_reduce([pack], options))
+                continue
+            results: list = [None] * len(pack)
+            for members in by_dtype.values():
+                reduced = super().batch_all_reduce([[pack[i] for i in members]], options)
+                for i, r in zip(members, reduced):
+                    results[i] = r
+            outputs.extend(results)
+        return outputs
+
+
 def make_control_flow_safe(ops_obj):
     """Gives a `CollectiveAllReduce` cross-device ops object execution-ordered keys.
 

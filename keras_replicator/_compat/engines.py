@@ -27,7 +27,9 @@ state.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import (
@@ -37,7 +39,7 @@ from tensorflow.python.distribute import (
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 
 from keras_replicator import cluster
-from keras_replicator._compat import coordination
+from keras_replicator._compat import coordination, replica_trace
 from keras_replicator._compat.collective_launcher import make_control_flow_safe
 from keras_replicator.errors import ClusterStartupError, WorkerLostError
 
@@ -55,11 +57,74 @@ def _give_collective_keys(strategy) -> None:
     strategy._collective_key_base = next(_instance_counter) * _COLLECTIVE_KEY_STRIDE
 
 
-class ReplicatorExtended(mirrored_strategy.MirroredExtended):
+class _TraceOnce:
+    """What both engines add to trace the replica step once (`replica_trace`).
+
+    Overrides `_call_for_each_replica`, `_create_variable` (each distributed
+    variable's components are registered, to be swapped per replica),
+    `_use_merge_call` and `_get_cross_device_ops` (while the one trace runs:
+    TensorFlow's merge-call-free path with the devices' collective launchers).
+    """
+
+    trace_once = True
+
+    def _kr_init_trace_once(self, trace_once: bool) -> None:
+        self.trace_once = trace_once
+        self._kr_components = replica_trace.ComponentRegistry()
+        self._kr_tracing = threading.local()
+
+    def _kr_collectives(self):
+        """The collective all-reduce over this worker's devices, or None."""
+        raise NotImplementedError
+
+    def step_all_reduce(self):
+        """The cross-device ops that all-reduce inside a step, or None if steps are traced per replica."""
+        if not self.trace_once or len(self.worker_devices) < 2:
+            return None
+        return self._kr_collectives()
+
+    @property
+    def is_tracing_once(self) -> bool:
+        return getattr(self._kr_tracing, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def tracing_once(self):
+        self._kr_tracing.depth = getattr(self._kr_tracing, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._kr_tracing.depth -= 1
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        collectives = self._kr_collectives()
+        launchers = list(collectives._launchers) if collectives is not None else None
+        return replica_trace.call_for_each_replica(
+            self, fn, args, kwargs, self._kr_components, launchers)
+
+    def _create_variable(self, next_creator, **kwargs):
+        variable = super()._create_variable(next_creator, **kwargs)
+        self._kr_components.add(variable)
+        return variable
+
+    def _use_merge_call(self):
+        if self.is_tracing_once:
+            return False
+        return super()._use_merge_call()
+
+    def _get_cross_device_ops(self, value):
+        if self.is_tracing_once:
+            return self._kr_collectives()
+        return super()._get_cross_device_ops(value)
+
+
+class ReplicatorExtended(_TraceOnce, mirrored_strategy.MirroredExtended):
     """Single-worker replication engine: `MirroredExtended` made safe for Keras 3."""
 
-    def __init__(self, container_strategy, devices, cross_device_ops=None, communication=None):
+    def __init__(self, container_strategy, devices, cross_device_ops=None, communication=None,
+                 trace_once=True, cross_device_ops_chosen=False):
         _give_collective_keys(container_strategy)
+        self._kr_init_trace_once(trace_once)
+        self._kr_chosen_ops = cross_device_ops if cross_device_ops_chosen else None
         # Read by _make_collective_ops_with_fallbacks during super().__init__.
         self._kr_communication = communication
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
@@ -91,6 +156,13 @@ class ReplicatorExtended(mirrored_strategy.MirroredExtended):
         """The cross-device ops the engine all-reduces with."""
         return self._cross_device_ops
 
+    def _kr_collectives(self):
+        chosen = self._kr_chosen_ops
+        if chosen is not None and not isinstance(chosen, tf_cross_device_ops.CollectiveAllReduce):
+            return None  # the user's choice does every all-reduce, through merge_call
+        ops_obj = chosen if chosen is not None else self._collective_ops
+        return ops_obj if isinstance(ops_obj, tf_cross_device_ops.CollectiveAllReduce) else None
+
     num_workers = 1
     worker_index = 0
     is_chief = True
@@ -100,7 +172,7 @@ class ReplicatorExtended(mirrored_strategy.MirroredExtended):
         return None
 
 
-class ReplicatorMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+class ReplicatorMultiWorkerExtended(_TraceOnce, collective_all_reduce_strategy.CollectiveAllReduceExtended):
     """Multi-worker replication engine: `CollectiveAllReduceExtended` made safe for Keras 3.
 
     Between-graph replication: every worker runs the same program over its local
@@ -120,8 +192,10 @@ class ReplicatorMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAll
         communication,
         failure_timeout: float,
         startup_timeout: float,
+        trace_once: bool = True,
     ):
         _give_collective_keys(container_strategy)
+        self._kr_init_trace_once(trace_once)
         self._kr_devices = devices
         self._kr_failure_timeout = failure_timeout
         self._kr_startup_timeout = startup_timeout
@@ -194,6 +268,9 @@ class ReplicatorMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAll
     @property
     def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
         """The cross-device ops the engine all-reduces with."""
+        return self._cross_device_ops
+
+    def _kr_collectives(self):
         return self._cross_device_ops
 
     @property

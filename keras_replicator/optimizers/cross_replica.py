@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator import _compat
-from keras_replicator._compat import keras_optimizer
+from keras_replicator._compat import keras_optimizer, replica_trace
 from keras_replicator._validation import check_bool, check_choice, check_number
 from keras_replicator.collectives import all_reduce
 from keras_replicator.optimizers.gradient_transforms import (
@@ -315,20 +315,21 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
 
         with keras.name_scope(self.name, caller=self):
             k = self.accumulation_steps
-            if k > 1:
-                indices = [self._get_variable_index(v) for v in trainable_variables]
-                present = [g is not None for g in grads]
-                self._accumulator.add(grads, indices)
+            if k > 1 or self.skip_nonfinite:
+                source = None
+                if k > 1:
+                    indices = [self._get_variable_index(v) for v in trainable_variables]
+                    source = (indices, [g is not None for g in grads])
+                    self._accumulator.add(grads, indices)
+                    grads = None
+                if replica_trace.tracing_once():
+                    # One trace for all replicas: the decision's inputs are the same on
+                    # every replica, so each takes it alike, without a merge_call.
+                    self._decide_and_apply(grads, trainable_variables, source)
+                    return
                 # Python values go by closure: merge_call regroups its args per replica.
                 merge_fn = functools.partial(
-                    self._cross_replica_apply,
-                    trainable_variables=trainable_variables,
-                    source=(indices, present),
-                )
-                tf.distribute.get_replica_context().merge_call(merge_fn, args=(None,))
-            elif self.skip_nonfinite:
-                merge_fn = functools.partial(
-                    self._cross_replica_apply, trainable_variables=trainable_variables, source=None
+                    self._cross_replica_apply, trainable_variables=trainable_variables, source=source
                 )
                 tf.distribute.get_replica_context().merge_call(merge_fn, args=(grads,))
             else:
@@ -340,29 +341,43 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
     def _cross_replica_apply(self, strategy, grads, trainable_variables, source):
         """Decides, once for all replicas, whether this step reduces and applies.
 
-        Runs in the cross-replica context: a ``tf.cond`` whose branches
-        all-reduce must be taken there, so that every replica takes the same
-        branch (and collectives inside a replica-context branch are not allowed).
+        Runs in the cross-replica context (a ``merge_call`` of a step traced per
+        replica): a ``tf.cond`` whose branches all-reduce must be taken there, so
+        that every replica takes the same branch.
         """
-        extended = strategy.extended
+        self._decide_and_apply(grads, trainable_variables, source, strategy=strategy)
+
+    def _decide_and_apply(self, grads, trainable_variables, source, strategy=None):
+        """Reduces and applies if this step completes an update and (optionally) is finite.
+
+        With ``strategy`` (the cross-replica context), each replica's part runs
+        through ``call_for_each_replica``; without (a step traced once), in this
+        replica, whose inputs to every decision equal every other replica's.
+        """
+        if strategy is None:
+            def each(fn, *args):
+                return fn(*args)
+
+            def first(value):
+                return value
+        else:
+            def each(fn, *args):
+                return strategy.extended.call_for_each_replica(fn, args=args)
+
+            def first(value):
+                return strategy.experimental_local_results(value)[0]
 
         def reduce_and_apply():
-            reduced = extended.call_for_each_replica(self._replica_reduce, args=(grads, source))
+            reduced = each(self._replica_reduce, grads, source)
             if not self.skip_nonfinite:
-                extended.call_for_each_replica(
-                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
-                )
+                each(self.inner_optimizer.apply, reduced, trainable_variables)
                 return
             # The reduced gradient is the same on every replica (and worker), so
             # replica 0's verdict is everyone's.
-            finite = strategy.experimental_local_results(
-                extended.call_for_each_replica(all_finite, args=(reduced,))
-            )[0]
+            finite = first(each(all_finite, reduced))
 
             def apply_reduced():
-                extended.call_for_each_replica(
-                    self.inner_optimizer.apply, args=(reduced, trainable_variables)
-                )
+                each(self.inner_optimizer.apply, reduced, trainable_variables)
 
             if self._loss_scale_optimizer() is not None:
                 # The LossScaleOptimizer must see the step to lower its scale.

@@ -1,0 +1,191 @@
+"""The replica step is traced once and called on every replica (`trace_once=True`, the default)."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_replicator as kr
+from tests.helpers import run_python
+
+# Counted in a process with 8 devices: strategies over the first 1, 2, 4 and 8 of
+# them; for each, how often the step's Python ran (traces) in fit and in a custom
+# loop, and the size of the custom loop's graph (the function and every function in
+# its library, each once). trace_once=False is the reference: one trace per replica.
+_COUNT = """
+import json
+import numpy as np, keras, tensorflow as tf
+
+traces = {"fit": 0, "loop": 0}
+
+class Counted(keras.Sequential):
+    def train_step(self, data):
+        traces["fit"] += 1
+        return super().train_step(data)
+
+def graph_nodes(concrete):
+    graph_def = concrete.graph.as_graph_def()
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+
+x = np.random.RandomState(0).randn(64, 8).astype("float32")
+y = x.sum(1, keepdims=True)
+out = {}
+for trace_once in (True, False):
+    for n in (1, 2, 4, 8):
+        traces.update(fit=0, loop=0)
+        strategy = kr.ReplicatorStrategy([f"/cpu:{i}" for i in range(n)], trace_once=trace_once)
+        with strategy.scope():
+            model = Counted([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dropout(0.1), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"], steps_per_execution=2)
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+            optimizer.build(model.trainable_variables)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+        @tf.function
+        def step(xb, yb):
+            def replica_step(xb, yb):
+                traces["loop"] += 1
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply(kr.all_reduce(grads, "mean"), model.trainable_variables)
+                return loss
+            return strategy.reduce("MEAN", strategy.run(replica_step, args=(xb, yb)), axis=None)
+
+        batches = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+        xb, yb = next(iter(batches))
+        nodes = graph_nodes(step.get_concrete_function(xb, yb))
+        step(xb, yb)
+        kr.testing.assert_replicas_identical(model)
+        out[f"{trace_once}-{n}"] = dict(traces, nodes=nodes)
+print("COUNTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def counts():
+    result = run_python(_COUNT, devices=8, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("COUNTS ")][-1]
+    return json.loads(line[len("COUNTS "):])
+
+
+def test_the_step_is_traced_once_for_1_2_4_8_replicas(counts):
+    one = counts["True-1"]
+    assert one["fit"] >= 1 and one["loop"] == 1
+    for n in (2, 4, 8):
+        assert counts[f"True-{n}"]["fit"] == one["fit"], counts
+        assert counts[f"True-{n}"]["loop"] == 1, counts
+        # The reference traces once per replica: what the count above would show.
+        assert counts[f"False-{n}"]["fit"] == n * one["fit"], counts
+        assert counts[f"False-{n}"]["loop"] == n, counts
+
+
+def test_the_graph_stays_near_one_replicas_size(counts):
+    one = counts["True-1"]["nodes"]
+    # One copy of the step whatever the replicas (with its all-reduces), plus per
+    # replica a call and its inputs (one per variable): a few nodes, not a step.
+    per_replica = (counts["True-8"]["nodes"] - counts["True-2"]["nodes"]) / 6
+    assert per_replica < 0.2 * one, counts
+    # Per-replica tracing adds a copy of the step for each replica.
+    per_copy = (counts["False-8"]["nodes"] - counts["False-2"]["nodes"]) / 6
+    assert per_copy > 0.5 * one, counts
+
+
+def test_every_replica_runs_on_its_own_device():
+    # TensorFlow's placer logs where each node of the traced step was placed.
+    result = run_python(
+        """
+        import tensorflow as tf
+        tf.debugging.set_log_device_placement(True)
+        strategy = kr.ReplicatorStrategy()
+
+        @tf.function
+        def step(x):
+            def replica_step(x):
+                return kr.all_reduce(tf.math.multiply(x, 2.0, name="kr_probe"), "sum")
+            return strategy.run(replica_step, args=(x,))
+
+        batches = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices(tf.ones([8, 2])).batch(8))
+        print("SUMS", [float(t[0, 0]) for t in strategy.experimental_local_results(step(next(iter(batches))))])
+        """,
+        devices=4,
+        env={"TF_CPP_MIN_LOG_LEVEL": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    probes = {line.rsplit("device:", 1)[1].strip() for line in log.splitlines()
+              if line.startswith("kr_probe: (Mul)")}
+    collectives = {line.rsplit("device:", 1)[1].strip() for line in log.splitlines()
+                   if "(CollectiveReduceV2)" in line and "placer" not in line}
+    assert probes == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, log[-3000:]
+    assert collectives == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, log[-3000:]
+    assert "SUMS [8.0, 8.0, 8.0, 8.0]" in result.stdout
+
+
+def _data():
+    x = np.random.RandomState(0).randn(32, 4).astype("float32")
+    return tf.data.Dataset.from_tensor_slices(x).batch(8)
+
+
+def test_replica_id_is_a_tensor_and_differs_per_replica():
+    strategy = kr.ReplicatorStrategy()
+
+    @tf.function
+    def step(x):
+        def replica_step(x):
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            assert isinstance(rid, tf.Tensor) and tf.get_static_value(rid) is None
+            return rid + tf.zeros([], tf.int32), kr.replica_id(), tf.random.stateless_uniform(
+                [2], seed=tf.stack([rid, 1]))
+        return strategy.run(replica_step, args=(x,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+    ids, kr_ids, draws = (strategy.experimental_local_results(v) for v in step(batch))
+    assert [int(i) for i in ids] == [0, 1, 2, 3]
+    assert [int(i) for i in kr_ids] == [0, 1, 2, 3]
+    assert len({tuple(np.round(d.numpy(), 6)) for d in draws}) == 4
+
+
+def test_a_merge_call_is_traced_per_replica_and_says_so(caplog):
+    strategy = kr.ReplicatorStrategy()
+
+    @tf.function
+    def step(x):
+        def replica_step(x):
+            total = tf.distribute.get_replica_context().merge_call(
+                lambda s, v: s.reduce("SUM", v, axis=None), args=(tf.reduce_sum(x),))
+            return total
+        return strategy.run(replica_step, args=(x,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+    with caplog.at_level(logging.INFO, logger="keras_replicator"):
+        totals = strategy.experimental_local_results(step(batch))
+    expected = float(np.sum(next(iter(_data())).numpy()))
+    np.testing.assert_allclose([float(t) for t in totals], [expected] * len(totals), rtol=1e-5)
+    assert "traced once per replica, not once for all: the step calls merge_call" in caplog.text
+
+
+def test_the_switch_is_checked_and_goes_back_to_per_replica_tracing():
+    with pytest.raises(TypeError, match="trace_once"):
+        kr.ReplicatorStrategy(trace_once="yes")
+    traces = []
+    strategy = kr.ReplicatorStrategy(trace_once=False)
+
+    @tf.function
+    def step(x):
+        def replica_step(x):
+            traces.append(1)
+            return kr.all_reduce(tf.reduce_sum(x), "sum")
+        return strategy.run(replica_step, args=(x,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+    totals = strategy.experimental_local_results(step(batch))
+    assert len(traces) == 4
+    expected = float(np.sum(next(iter(_data())).numpy()))
+    np.testing.assert_allclose([float(t) for t in totals], [expected] * 4, rtol=1e-5)
