@@ -32,7 +32,8 @@ def device_names(devices: int | str) -> list[str]:
 
 def make_strategy(name: str, devices: list[str], cross_device_ops: str | None = None):
     """``stock`` / ``stock_default``: MirroredStrategy's default; ``stock_rtod``: with
-    ReductionToOneDevice; ``ours``: ReplicatorStrategy, with its own choice of
+    ReductionToOneDevice; ``ours_per_replica``: ReplicatorStrategy tracing the step
+    once per replica (``trace_once=False``); ``ours``: ReplicatorStrategy, with its own choice of
     all-reduce unless ``cross_device_ops`` names one (``ring``, ``rtod``,
     ``hierarchical``, ``unpacked``: for investigations, not part of the plan)."""
     import tensorflow as tf
@@ -45,6 +46,9 @@ def make_strategy(name: str, devices: list[str], cross_device_ops: str | None = 
         return tf.distribute.MirroredStrategy(
             devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
+    if name == "ours_per_replica":
+        # The engine before the step was traced once: one trace per replica.
+        return kr.ReplicatorStrategy(devices, trace_once=False)
     if name == "ours":
         if cross_device_ops == "ring":
             return kr.ReplicatorStrategy(devices, communication="ring")

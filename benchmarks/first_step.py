@@ -81,7 +81,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     import keras
 
     strategy = None if spec["strategy"] == "one" else make_strategy(
-        "ours", device_names(spec["replicas"]))
+        spec["strategy"], device_names(spec["replicas"]))
 
     def build():
         if spec["model"] == "sngan":
@@ -114,6 +114,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
                 marks["trace"], cpu["trace"] = time.perf_counter(), time.process_time()
                 out = function(iterator)
                 marks["first_call"], cpu["first_call"] = time.perf_counter(), time.process_time()
+                marks["nodes"] = graph_nodes(traced.get_concrete_function(iterator))
                 return out
             start = time.perf_counter()
             out = function(iterator)
@@ -137,7 +138,13 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
                  prepare_cpu=cpu["called"] - cpu0, trace_cpu=cpu["trace"] - cpu["called"],
                  first_call_cpu=cpu["first_call"] - cpu["trace"])
     return {"model": spec["model"], "strategy": spec["strategy"], "replicas": spec["replicas"],
-            "global_batch": batch, **times}
+            "global_batch": batch, "nodes": marks["nodes"], **times}
+
+
+def graph_nodes(concrete) -> int:
+    """Nodes of a traced function's graph and of every function in its library, each once."""
+    graph_def = concrete.graph.as_graph_def()
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
 
 
 def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -> dict[str, Any]:
@@ -165,33 +172,71 @@ def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -
     return result
 
 
+NAMES = {"one": "one device", "ours": "ours, traced once", "ours_per_replica": "ours, per replica"}
+# The issue's targets: the first step against one device's, by replicas; graph nodes at 8.
+FIRST_STEP_TARGETS = {4: 1.5, 8: 2.0}
+NODES_TARGET = (8, 2.0)
+
+
+def _one(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in rows if r["strategy"] == "one" and "error" not in r), None)
+
+
+def targets(doc: dict[str, Any]) -> list[str]:
+    """One line per target and model: measured, and whether it is met."""
+    lines = []
+    for model in doc["models"]:
+        rows = [r for r in doc["results"] if r["model"] == model and "error" not in r]
+        one = _one(rows)
+        if one is None:
+            continue
+        for k, limit in FIRST_STEP_TARGETS.items():
+            row = next((r for r in rows if r["strategy"] == "ours" and r["replicas"] == k), None)
+            if row is not None:
+                ratio = row["first_step"] / one["first_step"]
+                lines.append(f"- {model}, first step on {k} replicas <= {limit}x one device's: "
+                             f"{ratio:.2f}x ({'met' if ratio <= limit else 'not met'})")
+        k, limit = NODES_TARGET
+        row = next((r for r in rows if r["strategy"] == "ours" and r["replicas"] == k), None)
+        if row is not None and one.get("nodes"):
+            ratio = row["nodes"] / one["nodes"]
+            lines.append(f"- {model}, graph nodes on {k} replicas <= {limit}x one device's: "
+                         f"{row['nodes']:,} against {one['nodes']:,}, {ratio:.2f}x "
+                         f"({'met' if ratio <= limit else 'not met'})")
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The table of a run: seconds per phase, and the first step against one device's."""
     lines = [f"Time to the first `fit` step (s), {doc['date']}, {doc['environment']}; "
              "one fresh process per row.", "",
              "| model | strategy | replicas | prepare | trace | first call | of which Grappler "
-             "| first step | / one device | steady step | CPU s: prepare, trace, first call |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| first step | / one device | graph nodes | steady step | CPU s: prepare, trace, first call |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for model in doc["models"]:
         rows = [r for r in doc["results"] if r["model"] == model]
-        one = next((r for r in rows if r["strategy"] == "one" and "error" not in r), None)
+        one = _one(rows)
         for r in rows:
-            name = "one device" if r["strategy"] == "one" else "ours"
+            name = NAMES.get(r["strategy"], r["strategy"])
             if "error" in r:
                 lines.append(f"| {model} | {name} | {r['replicas']} | failed: "
-                             f"{r['error'].splitlines()[0][:80]} | | | | | | | |")
+                             f"{r['error'].splitlines()[0][:80]} | | | | | | | | |")
                 continue
             ratio = f"{r['first_step'] / one['first_step']:.2f}x" if one else "n/a"
             cpu = (", ".join(f"{r[k]:.1f}" for k in ("prepare_cpu", "trace_cpu", "first_call_cpu"))
                    if "trace_cpu" in r else "n/a")
+            nodes = f"{r['nodes']:,}" if r.get("nodes") else "n/a"
             lines.append(f"| {model} | {name} | {r['replicas']} | {r['prepare']:.1f} | {r['trace']:.1f} "
                          f"| {r['first_call']:.1f} | {r['grappler']:.1f} | **{r['first_step']:.1f}** "
-                         f"| {ratio} | {r['step']:.2f} | {cpu} |")
+                         f"| {ratio} | {nodes} | {r['step']:.2f} | {cpu} |")
+    found = targets(doc)
+    if found:
+        lines += ["", "Targets:", "", *found]
     return "\n".join(lines) + "\n"
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Stacked bars per replica count: prepare, trace, Grappler, the rest of the first call."""
+    """First step against replicas: traced once, per replica, and one device's as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,21 +244,23 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
     models = doc["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-    parts = [("prepare", "prepare (Keras)"), ("trace", "Python tracing"),
-             ("grappler", "Grappler"), ("rest", "instantiate + run")]
     for ax, model in zip(axes[0], models):
         rows = [r for r in doc["results"] if r["model"] == model and "error" not in r]
-        labels = ["1 (no strategy)" if r["strategy"] == "one" else str(r["replicas"]) for r in rows]
-        bottom = [0.0] * len(rows)
-        for key, label in parts:
-            values = [r["first_call"] - min(r["first_call"], r["grappler"]) if key == "rest"
-                      else (min(r["first_call"], r["grappler"]) if key == "grappler" else r[key])
-                      for r in rows]
-            ax.bar(labels, values, bottom=bottom, label=label)
-            bottom = [b + v for b, v in zip(bottom, values)]
+        for strategy, style in (("ours_per_replica", "s--"), ("ours", "o-")):
+            line = sorted((r["replicas"], r["first_step"]) for r in rows if r["strategy"] == strategy)
+            if line:
+                ax.plot(*zip(*line), style, label=NAMES[strategy])
+        one = _one(rows)
+        if one is not None:
+            ax.axhline(one["first_step"], color="grey", linestyle=":", label="one device")
+            for k, limit in FIRST_STEP_TARGETS.items():
+                ax.plot([k], [limit * one["first_step"]], "v", color="red",
+                        label="target" if k == min(FIRST_STEP_TARGETS) else None)
+        ax.set_xscale("log", base=2)
         ax.set_title(f"{model}, global batch {GLOBAL_BATCH[model]}")
         ax.set_xlabel("replicas (simulated CPU devices)")
         ax.set_ylabel("seconds to the first step")
+        ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -224,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet50", "sngan"], choices=sorted(GLOBAL_BATCH))
     parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--per-replica", nargs="*", type=int, default=[2, 4, 8],
+                        help="replica counts also measured with trace_once=False (the old engine)")
     parser.add_argument("--output-dir", default=OUTPUT_DIR)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -231,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         emit_result(run_one(json.loads(args.worker)))
         sys.stdout.flush()
         os._exit(0)  # skip the interpreter's teardown (see benchmarks/worker.py)
-    if any(k < 1 for k in args.replicas):
+    if any(k < 1 for k in args.replicas + args.per_replica):
         parser.error("--replicas must be at least 1")
     import platform
 
@@ -241,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                                           f"Python {platform.python_version()}; configurations one after the other",
                            "models": args.models, "results": []}
     for model in args.models:
-        for strategy, k in [("one", 1)] + [("ours", k) for k in args.replicas]:
+        runs = ([("one", 1)] + [("ours", k) for k in args.replicas]
+                + [("ours_per_replica", k) for k in args.per_replica])
+        for strategy, k in runs:
             result = measure(model, strategy, k)
             doc["results"].append(result)
             print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v)

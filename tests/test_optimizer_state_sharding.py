@@ -132,7 +132,9 @@ def test_steps_per_execution_accumulation_clipping_compression_and_batch_norm():
         )
 
     kw = dict(compile_kw={"steps_per_execution": 3}, batch_norm=kr.layers.GlobalBatchNormalization)
-    unsharded = train(kr.ReplicatorStrategy(), make, **kw)
+    # Traced per replica, as the sharded step is: the same all-reduce (a collective
+    # sums bfloat16 in another order, which 12 steps of batch norm carry past 1e-6).
+    unsharded = train(kr.ReplicatorStrategy(trace_once=False), make, **kw)
     sharded = train(kr.ReplicatorStrategy(shard_optimizer_state=True), make, **kw)
     assert int(sharded.optimizer.iterations.numpy()) == 6 * 2 // 2
     assert_same_training(sharded, unsharded)

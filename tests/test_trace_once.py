@@ -32,8 +32,8 @@ def graph_nodes(concrete):
 x = np.random.RandomState(0).randn(64, 8).astype("float32")
 y = x.sum(1, keepdims=True)
 out = {}
-for trace_once in (True, False):
-    for n in (1, 2, 4, 8):
+for trace_once, counts in ((True, (1, 2, 4, 8)), (False, (2, 8))):
+    for n in counts:
         traces.update(fit=0, loop=0)
         strategy = kr.ReplicatorStrategy([f"/cpu:{i}" for i in range(n)], trace_once=trace_once)
         with strategy.scope():
@@ -70,7 +70,7 @@ print("COUNTS " + json.dumps(out))
 def counts():
     result = run_python(_COUNT, devices=8, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = [l for l in result.stdout.splitlines() if l.startswith("COUNTS ")][-1]
+    line = [out for out in result.stdout.splitlines() if out.startswith("COUNTS ")][-1]
     return json.loads(line[len("COUNTS "):])
 
 
@@ -80,6 +80,7 @@ def test_the_step_is_traced_once_for_1_2_4_8_replicas(counts):
     for n in (2, 4, 8):
         assert counts[f"True-{n}"]["fit"] == one["fit"], counts
         assert counts[f"True-{n}"]["loop"] == 1, counts
+    for n in (2, 8):
         # The reference traces once per replica: what the count above would show.
         assert counts[f"False-{n}"]["fit"] == n * one["fit"], counts
         assert counts[f"False-{n}"]["loop"] == n, counts

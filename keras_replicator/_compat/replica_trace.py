@@ -417,7 +417,7 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
 
 
 _logged: set[str] = set()
-_joined: "weakref.WeakSet" = weakref.WeakSet()
+_joined: weakref.WeakSet = weakref.WeakSet()
 
 
 def _join_collective_group(extended, launchers) -> None:

@@ -28,6 +28,7 @@ into Keras's optimizers is in ``keras_replicator._compat.keras_sharded_optimizer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import keras
@@ -120,7 +121,7 @@ def state_bytes_per_device(optimizer: keras.optimizers.Optimizer) -> dict[str, i
 
 
 def gather_owned_values(
-    values: Sequence[tf.Tensor], owners: Sequence[int], me: int, num_replicas: int
+    values: Sequence[tf.Tensor], owners: Sequence[int], me: int | tf.Tensor, num_replicas: int
 ) -> list[tf.Tensor]:
     """Every replica gets each item's value from its owner (in a replica context).
 
@@ -137,8 +138,8 @@ def gather_owned_values(
         @tf.function
         def step():
             def replica_step():
-                me = int(tf.get_static_value(kr.replica_id()))
-                values = [tf.fill([3], float(me)), tf.fill([2], float(me))]
+                me = kr.replica_id()
+                values = [tf.fill([3], tf.cast(me, tf.float32)), tf.fill([2], tf.cast(me, tf.float32))]
                 return kr.optimizers.gather_owned_values(values, [0, 1], me, 2)
             return strategy.run(replica_step)
 
@@ -150,7 +151,8 @@ def gather_owned_values(
         values: this replica's value of every item (same shapes and dtypes on
             every replica).
         owners: the owner (global replica index) of each item.
-        me: this replica's global index.
+        me: this replica's global index: a Python int, or a scalar integer
+            tensor (``kr.replica_id()`` in a step traced once).
         num_replicas: the number of replicas taking part.
 
     Returns:
@@ -159,6 +161,10 @@ def gather_owned_values(
     values = [tf.convert_to_tensor(v) for v in values]
     if len(values) != len(owners):
         raise ValueError(f"Got {len(values)} values for {len(owners)} owners.")
+    static_me = me if isinstance(me, int) else tf.get_static_value(me)
+    static_me = None if static_me is None else int(static_me)
+    if static_me is None:
+        me = tf.cast(me, tf.int32)
     out: list[tf.Tensor] = list(values)
     groups: dict[tf.DType, list[int]] = {}
     for i, value in enumerate(values):
@@ -173,9 +179,17 @@ def gather_owned_values(
         width = max(loads)
         if width == 0:
             continue
-        mine = [tf.reshape(tf.cast(values[i], wire), [-1]) for i in items if owners[i] == me]
-        mine.append(tf.zeros([width - loads[me]], wire))
-        rows = tf.reshape(all_gather(tf.concat(mine, 0)[tf.newaxis], axis=0), [-1])
+
+        def pack(owner, items=items, wire=wire, width=width, loads=loads):
+            mine = [tf.reshape(tf.cast(values[i], wire), [-1]) for i in items if owners[i] == owner]
+            mine.append(tf.zeros([width - loads[owner]], wire))
+            return tf.concat(mine, 0)
+
+        if static_me is not None:
+            buffer = pack(static_me)
+        else:  # one branch per replica, each of the same width
+            buffer = tf.switch_case(me, [functools.partial(pack, r) for r in range(num_replicas)])
+        rows = tf.reshape(all_gather(buffer[tf.newaxis], axis=0), [-1])
         for i in items:
             start = owners[i] * width + offsets[i]
             out[i] = tf.cast(tf.reshape(rows[start : start + sizes[i]], values[i].shape), dtype)
