@@ -28,8 +28,10 @@ one thread), but still changes: threads that spin while they wait count too
 
 ``first_step`` is ``prepare + trace + first_call``: what a user waits between
 ``fit`` and its first step (the model's build and compile, ``build``, come before).
-Configurations: one device without a strategy, and ``ReplicatorStrategy`` on
-each replica count (simulated CPU devices). Writes ``first_step.json`` and
+Configurations: one device without a strategy, ``ReplicatorStrategy`` on
+each replica count (simulated CPU devices), and ``ReplicatorStrategy(trace_once=False)``
+(the step traced per replica, the engine before) on the ``--per-replica`` counts. Each
+row also counts the traced graph's nodes (``graph_nodes``). Writes ``first_step.json`` and
 ``first_step.md`` to the output directory and the plot to ``docs/assets/first_step.png``.
 """
 
