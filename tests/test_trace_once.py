@@ -190,3 +190,47 @@ def test_the_switch_is_checked_and_goes_back_to_per_replica_tracing():
     assert len(traces) == 4
     expected = float(np.sum(next(iter(_data())).numpy()))
     np.testing.assert_allclose([float(t) for t in totals], [expected] * 4, rtol=1e-5)
+
+
+def _replica_function_and_calls(concrete):
+    """The traced replica function's FunctionDef and the ops that call it, in a step's graph."""
+    graph_def = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    calls = [node for f in [*library.values(), graph_def] for node in getattr(f, "node_def", None) or f.node
+             if node.op.endswith("PartitionedCall") and "replica_step" in node.attr["f"].func.name]
+    return library[calls[0].attr["f"].func.name], calls
+
+
+def test_each_replica_call_is_optimised_in_one_round_with_the_users_grappler_options():
+    # Grappler runs once per replica call: one round of its passes (and no memory
+    # optimiser on CPUs) unless the user chose otherwise; every option the user set
+    # reaches the calls. A lone all-reduce is one collective with no packing around it.
+    strategy = kr.ReplicatorStrategy()
+    saved = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"constant_folding": False})
+    try:
+        @tf.function
+        def step(x):
+            def replica_step(x):
+                return kr.all_reduce(x * 2.0, "sum")  # [2, 4] on each replica
+            return strategy.run(replica_step, args=(x,))
+
+        batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+        totals = strategy.experimental_local_results(step(batch))
+        function, calls = _replica_function_and_calls(step.get_concrete_function(batch))
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"constant_folding": saved.get("constant_folding", True)})
+    expected = 2.0 * next(iter(_data())).numpy().reshape(4, 2, 4).sum(axis=0)
+    for total in totals:
+        np.testing.assert_allclose(total.numpy(), expected, rtol=1e-5)
+    assert len(calls) == 4
+    for call in calls:
+        config = tf.compat.v1.ConfigProto.FromString(call.attr["config_proto"].s)
+        rewrite = config.graph_options.rewrite_options
+        assert rewrite.meta_optimizer_iterations == rewrite.ONE
+        assert rewrite.memory_optimization == rewrite.NO_MEM_OPT
+        assert rewrite.constant_folding == rewrite.OFF
+    ops = [node.op for node in function.node_def]
+    assert ops.count("CollectiveReduceV2") == 1
+    assert not {"ConcatV2", "SplitV", "Prod"} & set(ops), ops

@@ -60,28 +60,57 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
 
 
     def batch_all_reduce(self, input_tensor_packs, options=None):
-        """TensorFlow's, with each pack split by dtype.
+        """TensorFlow's, with each pack split by dtype and fewer ops in a graph.
 
-        Why (TF 2.21): `CollectiveAllReduce._all_reduce` (the replica-context
-        all-reduce without a merge call, which a step traced once uses) packs
-        every dense value into one pack whatever its dtype, and the pack's
-        `concat` then fails on mixed float32 and float64 values.
+        Why (TF 2.21):
+        * `CollectiveAllReduce._all_reduce` (the replica-context all-reduce
+          without a merge call, which a step traced once uses) packs every
+          dense value into one pack whatever its dtype, and the pack's `concat`
+          then fails on mixed float32 and float64 values;
+        * TensorFlow's pack flattens and concatenates even a lone tensor, and
+          computes every size at run time (`Shape`, `Prod`, `Pack`) though the
+          shapes are static: 11 ops per lone all-reduce and 3 per packed
+          tensor. A traced-once ResNet-50 step makes 106 lone all-reduces
+          (batch norm's mean-aggregated moving statistics) and packs 161
+          gradients; every op is instantiated and optimised once per device.
+        A collective reduces element-wise whatever the shape, so a lone tensor
+        is reduced as it is; a pack of static shapes is split by constant sizes.
+        The values reduced (and their order in the pack) are TensorFlow's.
         """
-        outputs = []
+        if context.executing_eagerly():
+            return super().batch_all_reduce(input_tensor_packs, options)
+        merged = self._options.merge(options)
+        # As TensorFlow's: NCCL packs are ordered, each after the one before.
+        ordered = merged.implementation == tf.distribute.experimental.CommunicationImplementation.NCCL
+        outputs: list = []
+        last = None
         for pack in input_tensor_packs:
             by_dtype: dict = {}
             for i, t in enumerate(pack):
                 by_dtype.setdefault(t.dtype, []).append(i)
-            if len(by_dtype) <= 1:
-                outputs.extend(super().batch_all_reduce([pack], options))
-                continue
             results: list = [None] * len(pack)
             for members in by_dtype.values():
-                reduced = super().batch_all_reduce([[pack[i] for i in members]], options)
+                reduced = self._reduce_pack([pack[i] for i in members], last if ordered else None, options)
+                last = reduced[-1]
                 for i, r in zip(members, reduced):
                     results[i] = r
             outputs.extend(results)
         return outputs
+
+    def _reduce_pack(self, pack: list, control_input, options) -> list:
+        """One all-reduce of a pack of tensors of one dtype."""
+        with ops.device(self._device):
+            if len(pack) == 1:
+                return [self.all_reduce(pack[0], control_input, options)]
+            if all(t.shape.is_fully_defined() for t in pack):
+                sizes, shapes = [t.shape.num_elements() for t in pack], [t.shape for t in pack]
+            else:
+                shapes = [tf.shape(t) for t in pack]
+                sizes = [tf.reduce_prod(shape) for shape in shapes]
+            flat = tf.concat([tf.reshape(t, [-1]) for t in pack], axis=0)
+            reduced = self.all_reduce(flat, control_input, options)
+            parts = tf.split(reduced, sizes if isinstance(sizes[0], int) else tf.stack(sizes))
+            return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
 
 
 def make_control_flow_safe(ops_obj):

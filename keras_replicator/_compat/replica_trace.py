@@ -29,7 +29,9 @@ What it patches or reads, checked on TensorFlow 2.21:
   counters and ordering tokens;
 * the `_disable_acd` function attribute: the N calls live in one function
   without automatic control dependencies, so that no two calls are chained
-  through a resource they share (they wait for each other in collectives).
+  through a resource they share (they wait for each other in collectives);
+* `context.function_call_options` (set while the calls are made): the calls'
+  Grappler settings, see `_replica_call_options`.
 
 What cannot be traced once falls back to TensorFlow's per-replica tracing,
 logged once with the reason: a `merge_call` this module does not replace,
@@ -48,10 +50,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.distribute import device_util, distribute_utils, mirrored_run
 from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
@@ -403,7 +407,8 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
                 # replica id, one copy per replica again.
                 rid = tf.raw_ops.PlaceholderWithDefault(
                     input=tf.constant(replica_ids[d], tf.int32), shape=[])
-                outputs.append(traced_for[d]._call_flat([rid, *tensors[d]], captures_for[d]))
+                with _replica_call_options(devices):
+                    outputs.append(traced_for[d]._call_flat([rid, *tensors[d]], captures_for[d]))
             calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
@@ -414,6 +419,43 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     every = tf.function(every_replica, autograph=False, experimental_attributes={"_disable_acd": True})
     outputs = every()
     return distribute_utils.regroup(tuple(outputs))
+
+
+@contextlib.contextmanager
+def _replica_call_options(devices: list[str]) -> Iterator[None]:
+    """Grappler's settings for the replica calls made meanwhile (their `config_proto`).
+
+    Why: Grappler runs each time a device instantiates the replica's function
+    (`PartitionedCallOp` optimises what it instantiates), so once per replica,
+    where a step traced per replica had it run once on the whole graph. Measured
+    on ResNet-50 (4 replicas, TF 2.21): a second round of every pass changed
+    under 2% of the nodes and took 30% of Grappler's time; the memory optimiser
+    (which saves accelerator memory) took 10% more. So, unless the user set them:
+    one round, and no memory optimiser where every device is a CPU. The first
+    call fell from 10.3 s to 8.2 s; the steady step did not change.
+    """
+    ctx = context.context()
+    config = ctx.config
+    rewrite = config.graph_options.rewrite_options
+    changed = False
+    if rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS:
+        rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+        changed = True
+    on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
+    if on_cpus and rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
+        rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+        changed = True
+    if not changed:
+        yield
+        return
+    config.allow_soft_placement = True  # as TensorFlow's own call options
+    saved = ctx._thread_local_data.function_call_options
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=ctx.function_call_options.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx._thread_local_data.function_call_options = saved
 
 
 _logged: set[str] = set()
