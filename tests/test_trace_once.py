@@ -234,3 +234,42 @@ def test_each_replica_call_is_optimised_in_one_round_with_the_users_grappler_opt
     ops = [node.op for node in function.node_def]
     assert ops.count("CollectiveReduceV2") == 1
     assert not {"ConcatV2", "SplitV", "Prod"} & set(ops), ops
+
+
+def test_indexed_slices_of_uneven_replicas_are_gathered_together():
+    # Each replica contributes a different number of rows to two tables of different
+    # widths: the rows come back from every replica, in replica order, unsummed (as
+    # TensorFlow's all-reduce of IndexedSlices), by 3 all-gathers for both tables.
+    strategy = kr.ReplicatorStrategy()
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def step(x):
+        def replica_step(x):
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            rows = rid + 1
+            a = tf.IndexedSlices(tf.fill([rows, 3], tf.cast(rid + 1, tf.float32)), tf.range(rows), tf.constant([6, 3]))
+            b = tf.IndexedSlices(tf.fill([rows, 2], tf.cast(10 * (rid + 1), tf.float32)), rows - 1 - tf.range(rows), tf.constant([5, 2]))
+            a_sum, b_sum = tf.distribute.get_replica_context().all_reduce("sum", [a, b])
+            return a_sum.values, a_sum.indices, b_sum.values, b_sum.indices, tf.convert_to_tensor(b_sum)
+        return strategy.run(replica_step, args=(x,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+    a_values, a_indices, b_values, b_indices, b_dense = (
+        strategy.experimental_local_results(v) for v in step(batch))
+    expected_a_indices = np.concatenate([np.arange(r + 1) for r in range(n)])
+    expected_b_indices = np.concatenate([np.arange(r, -1, -1) for r in range(n)])
+    expected_a_values = np.concatenate([np.full([r + 1, 3], r + 1.0) for r in range(n)])
+    expected_b_values = np.concatenate([np.full([r + 1, 2], 10.0 * (r + 1)) for r in range(n)])
+    dense_b = np.zeros([5, 2])
+    np.add.at(dense_b, expected_b_indices, expected_b_values)
+    for d in range(n):
+        np.testing.assert_array_equal(a_indices[d].numpy(), expected_a_indices)
+        np.testing.assert_array_equal(b_indices[d].numpy(), expected_b_indices)
+        np.testing.assert_array_equal(a_values[d].numpy(), expected_a_values)
+        np.testing.assert_array_equal(b_values[d].numpy(), expected_b_values)
+        np.testing.assert_array_equal(b_dense[d].numpy(), dense_b)
+    function, _ = _replica_function_and_calls(step.get_concrete_function(batch))
+    ops = [node.op for node in function.node_def]
+    assert ops.count("CollectiveGatherV2") == 3, ops.count("CollectiveGatherV2")
+    assert "If" not in ops and "StatelessIf" not in ops
