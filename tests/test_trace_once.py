@@ -2,6 +2,7 @@
 
 import json
 import logging
+import subprocess
 
 import numpy as np
 import pytest
@@ -273,3 +274,67 @@ def test_indexed_slices_of_uneven_replicas_are_gathered_together():
     ops = [node.op for node in function.node_def]
     assert ops.count("CollectiveGatherV2") == 3, ops.count("CollectiveGatherV2")
     assert "If" not in ops and "StatelessIf" not in ops
+
+
+# A step that fails on one replica is cancelled with the other replicas' collective
+# key counters ahead of its own; the next step must still run. In a fresh process,
+# so that a hang (collectives have no timeout) fails this test, not the suite.
+_AFTER_FAILED_STEPS = """
+import json
+import tensorflow as tf
+
+strategy = kr.ReplicatorStrategy([f"/cpu:{i}" for i in range(4)])
+counters = [launcher._executions for launcher in strategy.extended._kr_collectives()._launchers]
+
+@tf.function
+def step(x):
+    def replica_step(x):
+        x = tf.debugging.check_numerics(x, "replica input")
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce("sum", tf.reduce_sum(x)), ctx.all_reduce("mean", x)
+    return strategy.run(replica_step, args=(x,))
+
+def values(bad_replica=None):
+    def value(ctx):
+        r = ctx.replica_id_in_sync_group
+        return tf.constant([float("nan") if r == bad_replica else r + 1.0, 1.0])
+    return strategy.experimental_distribute_values_from_function(value)
+
+def good_step():
+    sums, means = step(values())
+    return ([float(s) for s in strategy.experimental_local_results(sums)],
+            [m.numpy().tolist() for m in strategy.experimental_local_results(means)])
+
+out = {"first": good_step()}
+counters[3].assign_add(5)  # the state a failed step can leave: one replica behind
+out["skewed"] = [int(c.numpy()) for c in counters]
+out["after_skew"] = good_step()
+out["aligned"] = [int(c.numpy()) for c in counters]
+failures = []
+for _ in range(6):
+    try:
+        step(values(bad_replica=3))
+        failures.append(None)
+    except tf.errors.InvalidArgumentError as e:
+        failures.append("replica input" in str(e))
+    out.setdefault("after_failures", []).append(good_step())
+out["failures"] = failures
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_step_after_a_failed_step_runs_with_every_replicas_keys_aligned():
+    try:
+        result = run_python(_AFTER_FAILED_STEPS, devices=4, timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a step after a failed one (or after skewed key counters) hung in its collectives")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = [out for out in result.stdout.splitlines() if out.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT "):])
+    expected = ([1.0 + 2 + 3 + 4 + 4] * 4, [[2.5, 1.0]] * 4)
+    assert out["first"] == list(map(list, expected))
+    assert len(set(out["skewed"])) == 2  # the skew was there before the step
+    assert out["after_skew"] == list(map(list, expected))
+    assert len(set(out["aligned"])) == 1 and out["aligned"][0] > max(out["skewed"])
+    assert out["failures"] == [True] * 6
+    assert out["after_failures"] == [list(map(list, expected))] * 6

@@ -160,6 +160,30 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
         return [tf.split(row, row_sizes, num=k + 1)[:k]
                 for row, row_sizes in zip(rows, tf.unstack(with_padding, num=n))]
 
+def align_execution_counters(launchers) -> None:
+    """Sets every launcher's execution counter to the highest, in the function being traced.
+
+    Why: each device's counter advances as that device launches its collectives. A
+    step that fails on one replica (an error in the user's step, an empty batch
+    under oneDNN) is cancelled while the others are ahead of it, and from then on
+    each replica asks for keys that no other replica uses: the next step waits
+    forever (tests/test_new_user_mistakes.py hung in 1 run in 4, and in CI). Emitted
+    before a step's replicas run: after a healthy step the counters are equal and
+    nothing changes; after a failed one, the step starts from keys no replica has
+    used. Automatic control dependencies order it before the step's own reads.
+    One worker's devices only: a step that fails on one worker fails the job.
+    """
+    counters = [launcher._executions for launcher in launchers
+                if isinstance(launcher, _ExecutionOrderedLauncher)]
+    graph = ops.get_default_graph()
+    if len(counters) < 2 or not ops.inside_function() or control_flow_util.GraphOrParentsInXlaContext(graph):
+        return
+    with ops.device(counters[0].device):
+        highest = tf.reduce_max(tf.stack([counter.read_value() for counter in counters]))
+        for counter in counters:
+            counter.assign(highest, read_value=False)
+
+
 def make_control_flow_safe(ops_obj):
     """Gives a `CollectiveAllReduce` cross-device ops object execution-ordered keys.
 

@@ -59,6 +59,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
+from keras_replicator._compat import collective_launcher
 from keras_replicator._compat.patching import Patches, ScopedPatch
 
 _log = logging.getLogger("keras_replicator")
@@ -489,6 +490,20 @@ def _join_collective_group(extended, launchers) -> None:
 
 def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launchers) -> Any:
     """The replica step on every replica: traced once where it can be, else per replica."""
+    if launchers and not getattr(_nested, "depth", 0):
+        collective_launcher.align_execution_counters(launchers)
+    _nested.depth = getattr(_nested, "depth", 0) + 1
+    try:
+        return _call_for_each_replica(extended, fn, args, kwargs, registry, launchers)
+    finally:
+        _nested.depth -= 1
+
+
+# A `call_for_each_replica` inside another's `merge_call` (same thread) is part of its step.
+_nested = threading.local()
+
+
+def _call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launchers) -> Any:
     reason = _why_per_replica(extended, launchers)
     if reason is None:
         _join_collective_group(extended, launchers)
