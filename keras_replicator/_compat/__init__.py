@@ -7,7 +7,7 @@ installed version is outside the range a module was checked on.
 
 | module | what it touches | how | checked on |
 |---|---|---|---|
-| `collective_launcher` | `CollectiveReplicaLauncher` in `CollectiveAllReduce` | subclass swapped in per ops object | TF 2.16-2.21 |
+| `collective_launcher` | `CollectiveReplicaLauncher` in `CollectiveAllReduce`; that object's `_all_reduce` | subclass swapped in, `_all_reduce` wrapped, per ops object | TF 2.16-2.21 |
 | `coordination` | the runtime context, the coordination service, peer health | private `Context` methods | TF 2.16-2.21 |
 | `engines` | `MirroredExtended`, `CollectiveAllReduceExtended` | subclasses overriding private methods | TF 2.16-2.21 |
 | `distributed_values` | `PerReplica`, `Mirrored`, destination devices | constructors | TF 2.16-2.21 |

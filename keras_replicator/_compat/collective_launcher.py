@@ -2,8 +2,12 @@
 
 Patches (subclasses and swaps in): `cross_device_utils.CollectiveReplicaLauncher`
 inside a `cross_device_ops.CollectiveAllReduce` (its private `_launchers`,
-`_group_key`, `_group_size`, `_collective_keys`, `_device`, `_options`).
-Why: see `_ExecutionOrderedLauncher`. Checked on TensorFlow 2.16-2.21.
+`_group_key`, `_group_size`, `_collective_keys`, `_device`, `_options`, and the
+launcher's `_all_gather`); wraps that object's `_all_reduce` (an instance
+attribute) so that its `IndexedSlices` are gathered together; sets the
+launchers' key counters equal before each step (`align_execution_counters`).
+Why: see `_ExecutionOrderedLauncher`, its `all_gather_indexed_slices` and
+`align_execution_counters`. Checked on TensorFlow 2.16-2.21.
 """
 
 from __future__ import annotations
@@ -82,9 +86,8 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
         """
         if context.executing_eagerly():
             return super().batch_all_reduce(input_tensor_packs, options)
-        merged = self._options.merge(options)
         # As TensorFlow's: NCCL packs are ordered, each after the one before.
-        ordered = merged.implementation == tf.distribute.experimental.CommunicationImplementation.NCCL
+        ordered = self._is_nccl(options)
         outputs: list = []
         last = None
         for pack in input_tensor_packs:
@@ -100,21 +103,25 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
             outputs.extend(results)
         return outputs
 
+    def _is_nccl(self, options) -> bool:
+        merged = self._options.merge(options)
+        return merged.implementation == tf.distribute.experimental.CommunicationImplementation.NCCL
+
     def _reduce_pack(self, pack: list, control_input, options) -> list:
         """One all-reduce of a pack of tensors of one dtype."""
         with ops.device(self._device):
             if len(pack) == 1:
                 return [self.all_reduce(pack[0], control_input, options)]
             if all(t.shape.is_fully_defined() for t in pack):
-                sizes, shapes = [t.shape.num_elements() for t in pack], [t.shape for t in pack]
+                shapes = [t.shape for t in pack]
+                sizes = [shape.num_elements() for shape in shapes]
             else:
                 shapes = [tf.shape(t) for t in pack]
-                sizes = [tf.reduce_prod(shape) for shape in shapes]
+                sizes = tf.stack([tf.reduce_prod(shape) for shape in shapes])
             flat = tf.concat([tf.reshape(t, [-1]) for t in pack], axis=0)
             reduced = self.all_reduce(flat, control_input, options)
-            parts = tf.split(reduced, sizes if isinstance(sizes[0], int) else tf.stack(sizes))
+            parts = tf.split(reduced, sizes, num=len(pack))
             return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
-
 
     def all_gather_indexed_slices(self, slices: list, options=None) -> list:
         """Several `IndexedSlices` all-reduced by 3 collectives, not 3 each.
@@ -129,7 +136,7 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
         each value's rows, replica by replica, unsummed.
         """
         options = self._options.merge(options)
-        nccl = options.implementation == tf.distribute.experimental.CommunicationImplementation.NCCL
+        nccl = self._is_nccl(options)
         n, k = self._group_size, len(slices)
         with ops.device(self._device):
             lengths = tf.stack([tf.shape(s.indices, out_type=tf.int32)[0] for s in slices])

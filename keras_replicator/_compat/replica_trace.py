@@ -401,16 +401,16 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     def every_replica():
         graph = ops.get_default_graph()
         outputs, calls = [], []
-        for d, device in enumerate(devices):
-            before = len(graph.get_operations())
-            with ops.device(device):
-                # Not a Const: Grappler would specialise the function per
-                # replica id, one copy per replica again.
-                rid = tf.raw_ops.PlaceholderWithDefault(
-                    input=tf.constant(replica_ids[d], tf.int32), shape=[])
-                with _replica_call_options(devices):
+        with _replica_call_options(devices):
+            for d, device in enumerate(devices):
+                before = len(graph.get_operations())
+                with ops.device(device):
+                    # Not a Const: Grappler would specialise the function per
+                    # replica id, one copy per replica again.
+                    rid = tf.raw_ops.PlaceholderWithDefault(
+                        input=tf.constant(replica_ids[d], tf.int32), shape=[])
                     outputs.append(traced_for[d]._call_flat([rid, *tensors[d]], captures_for[d]))
-            calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
+                calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
         # that none is pruned when its outputs are unused, and none waits for another.
@@ -449,7 +449,8 @@ def _replica_call_options(devices: list[str]) -> Iterator[None]:
     if not changed:
         yield
         return
-    config.allow_soft_placement = True  # as TensorFlow's own call options
+    if ctx._soft_device_placement is None:
+        config.allow_soft_placement = True  # as TensorFlow's own call options
     saved = ctx._thread_local_data.function_call_options
     ctx.function_call_options = context.FunctionCallOptions(
         executor_type=ctx.function_call_options.executor_type, config_proto=config)
