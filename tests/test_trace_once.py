@@ -338,3 +338,37 @@ def test_a_step_after_a_failed_step_runs_with_every_replicas_keys_aligned():
     assert len(set(out["aligned"])) == 1 and out["aligned"][0] > max(out["skewed"])
     assert out["failures"] == [True] * 6
     assert out["after_failures"] == [list(map(list, expected))] * 6
+
+
+def test_an_only_first_replica_update_is_sent_only_where_replicas_may_differ():
+    # Spectral normalization's way: `u` (ONLY_FIRST_REPLICA) is updated from mirrored
+    # variables only, so every replica already holds replica 0's value and nothing is
+    # sent. An update from the replica's data or its id is replica 0's, sent by a collective.
+    strategy = kr.ReplicatorStrategy()
+    first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    with strategy.scope():
+        w = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+        from_weights = tf.Variable([1.0, 0.0], aggregation=first)
+        from_data = tf.Variable(tf.zeros([4]), aggregation=first)
+        from_id = tf.Variable(0.0, aggregation=first)
+
+    @tf.function
+    def step(x):
+        def replica_step(x):
+            u = tf.linalg.matvec(w, from_weights)
+            from_weights.assign(u / tf.norm(u))
+            from_data.assign(x[0])
+            from_id.assign(tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32) + 1.0)
+            return tf.zeros([])
+        return strategy.run(replica_step, args=(x,))
+
+    batch = next(iter(strategy.experimental_distribute_dataset(_data())))
+    step(batch)
+    first_rows = next(iter(_data())).numpy()[0]
+    for component in from_weights.values:
+        np.testing.assert_allclose(component.numpy(), np.array([1.0, 3.0]) / np.sqrt(10.0), rtol=1e-6)
+    for component in from_data.values:
+        np.testing.assert_array_equal(component.numpy(), first_rows)
+    assert [float(c.numpy()) for c in from_id.values] == [1.0] * 4
+    function, _ = _replica_function_and_calls(step.get_concrete_function(batch))
+    assert [node.op for node in function.node_def].count("CollectiveReduceV2") == 2

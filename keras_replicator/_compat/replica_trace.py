@@ -20,8 +20,9 @@ What it patches or reads, checked on TensorFlow 2.21:
   `MirroredStrategy` does under XLA on GPUs);
 * `values.apply_aggregation_replica_context` (scoped to the trace: an
   `ONLY_FIRST_REPLICA` update such as Keras's `iterations.assign_add(1)`
-  needs no broadcast when its value is a constant, else it is replica 0's
-  value, broadcast by an all-reduce);
+  needs no broadcast when its value is a constant or is the same on every
+  replica by its graph (`replica_invariance`: spectral normalization's `u`),
+  else it is replica 0's value, broadcast by an all-reduce);
 * `ops.Graph._apply_device_functions` (scoped to the trace: ops the step pins to
   replica 0's device get no device, so that each call places them on its own);
 * `ConcreteFunction._call_flat(inputs, captured_inputs)`, with the captures of
@@ -59,7 +60,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import collective_launcher
+from keras_replicator._compat import collective_launcher, replica_invariance
 from keras_replicator._compat.patching import Patches, ScopedPatch
 
 _log = logging.getLogger("keras_replicator")
@@ -149,6 +150,13 @@ class ComponentRegistry:
                 if handle is not None:
                     self._by_handle[id(handle)] = (weakref.ref(variable), i)
 
+    def mirrored(self, handle) -> bool:
+        """Whether `handle` is replica 0's component of a variable synchronised on write."""
+        entry = self._by_handle.get(id(handle))
+        variable = entry[0]() if entry is not None else None
+        return variable is not None and self.components(handle) is not None and (
+            variable.synchronization != tf.VariableSynchronization.ON_READ)
+
     def components(self, handle) -> tuple | None:
         """The components of the variable `handle` is replica 0's component of, else None."""
         entry = self._by_handle.get(id(handle))
@@ -212,6 +220,11 @@ def _device_free(original):
     return _apply_device_functions
 
 
+def _same_on_every_replica(value) -> bool:
+    shared = getattr(_tracing, "shared_capture", None)
+    return shared is not None and replica_invariance.same_on_every_replica(value, _tracing.graph, shared)
+
+
 def _first_replica_without_broadcast(original):
     def apply_aggregation_replica_context(value, aggregation, destinations):
         if (
@@ -221,8 +234,8 @@ def _first_replica_without_broadcast(original):
             or isinstance(value, tf.distribute.DistributedValues)
         ):
             return original(value, aggregation, destinations)
-        if tensor_util.constant_value(value) is not None:
-            return value  # the same constant on every replica: nothing to broadcast
+        if tensor_util.constant_value(value) is not None or _same_on_every_replica(value):
+            return value  # every replica holds replica 0's value already: nothing to broadcast
         ctx = tf.distribute.get_replica_context()
         first = tf.equal(ctx.replica_id_in_sync_group, 0)
         masked = tf.where(first, value, tf.zeros_like(value))
@@ -246,17 +259,21 @@ def _create_outside_the_trace(next_creator, **kwargs):
 
 
 @contextlib.contextmanager
-def _tracing_scope(graph, device: str) -> Iterator[None]:
+def _tracing_scope(graph, device: str, shared_capture: Callable | None) -> Iterator[None]:
+    """The patches of the trace; `shared_capture(t)`: whether a capture `t` is the
+    same on every replica's call (None: take nothing as the same)."""
     graphs = _trace_graphs()
+    previous = {name: getattr(_tracing, name, None) for name in ("device", "graph", "shared_capture")}
     _tracing.graphs = graphs | {id(graph)}
-    previous = getattr(_tracing, "device", None)
     _tracing.device = device_util.canonicalize(device)
+    _tracing.graph, _tracing.shared_capture = graph, shared_capture
     try:
         with _TRACE_PATCHES.scope(), tf.variable_creator_scope(_create_outside_the_trace):
             yield
     finally:
         _tracing.graphs = graphs
-        _tracing.device = previous
+        for name, value in previous.items():
+            setattr(_tracing, name, value)
 
 
 # --- the engine -------------------------------------------------------------------
@@ -357,17 +374,34 @@ def _refuse_shared_writes(traced, captures: list[list]) -> None:
             )
 
 
+def _shared_capture(registry: ComponentRegistry, launchers, devices) -> Callable | None:
+    """Whether a capture of the trace is the same on every replica's call: not
+    swapped per replica (see `_per_replica_captures`), or a mirrored variable's
+    component. None where kernels may differ bit by bit across the devices."""
+    if not replica_invariance.deterministic_devices(devices):
+        return None
+    per_replica_state = set(_launcher_swaps(launchers))
+
+    def shared(tensor) -> bool:
+        if id(tensor) in per_replica_state:
+            return False
+        return registry.components(tensor) is None or registry.mirrored(tensor)
+
+    return shared
+
+
 def trace_replica_step(extended, fn: Callable, structure, leaves, layout, specs, launchers):
     """Traces `fn` once, as replica 0, for inputs of `specs`: a `ConcreteFunction`."""
     strategy = extended._container_strategy()
     devices = extended.worker_devices
     fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
     first_id = extended._get_replica_id_in_sync_group(0)
+    shared_capture = _shared_capture(extended._kr_components, launchers, devices)
 
     def replica_step(replica_id, *inputs):
         graph = ops.get_default_graph()
         step_args, step_kwargs = _pack_inputs(structure, leaves, layout, inputs)
-        with _tracing_scope(graph, devices[0]), extended.tracing_once(), OnceReplicaContext(
+        with _tracing_scope(graph, devices[0], shared_capture), extended.tracing_once(), OnceReplicaContext(
             strategy, first_id, replica_id, launchers[0]
         ):
             outputs = fn(*step_args, **step_kwargs)
