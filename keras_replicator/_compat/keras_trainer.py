@@ -309,6 +309,30 @@ def _empty_replica_error(strategy, error: Exception) -> ValueError | None:
     )
 
 
+def _cancelled_replica_error(strategy, error: Exception) -> Exception | None:
+    """The same error type, saying where the error that caused the cancellation is.
+
+    Why (TF 2.21): in a step traced once, each replica is a call of its own in one
+    function. When one fails (an op XLA cannot compile, a failed check), the calls
+    not yet started are cancelled, and TensorFlow may raise one of those
+    cancellations ("Function was cancelled before it was started") instead of the
+    error itself, which it has logged (seen in 1 run in 8 of a step that XLA
+    refuses: `tests/test_xla.py`).
+    """
+    if not isinstance(error, tf.errors.CancelledError) or "cancelled before it was started" not in str(error):
+        return None
+    if not getattr(strategy.extended, "trace_once", False) or strategy.num_replicas_in_sync < 2:
+        return None
+    return tf.errors.CancelledError(
+        None, None,
+        "A replica's step failed, and TensorFlow raised only the cancellation of another replica's "
+        "call that it caused: the error itself is in TensorFlow's log above (its 'E' lines, such "
+        "as 'OP_REQUIRES failed'). To have it raised here, run the "
+        "step traced per replica: kr.ReplicatorStrategy(..., trace_once=False). "
+        f"TensorFlow said: {' '.join(str(error).split())[:300]}",
+    )
+
+
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 
 
@@ -338,6 +362,9 @@ def _entry_point(name):
                 empty = _empty_replica_error(strategy, e)
                 if empty is not None:
                     raise empty from e
+                cancelled = _cancelled_replica_error(strategy, e)
+                if cancelled is not None:
+                    raise cancelled from e
                 raise
 
         return wrapper
