@@ -167,6 +167,7 @@ class _ExecutionOrderedLauncher(cross_device_utils.CollectiveReplicaLauncher):
         return [tf.split(row, row_sizes, num=k + 1)[:k]
                 for row, row_sizes in zip(rows, tf.unstack(with_padding, num=n))]
 
+
 def align_execution_counters(launchers) -> None:
     """Sets every launcher's execution counter to the highest, in the function being traced.
 

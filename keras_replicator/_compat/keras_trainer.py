@@ -327,8 +327,8 @@ def _cancelled_replica_error(strategy, error: Exception) -> Exception | None:
         None, None,
         "A replica's step failed, and TensorFlow raised only the cancellation of another replica's "
         "call that it caused: the error itself is in TensorFlow's log above (its 'E' lines, such "
-        "as 'OP_REQUIRES failed'). To have it raised here, run the "
-        "step traced per replica: kr.ReplicatorStrategy(..., trace_once=False). "
+        "as 'OP_REQUIRES failed'). To have it raised here, run the step traced per replica: "
+        "kr.ReplicatorStrategy(..., trace_once=False). "
         f"TensorFlow said: {' '.join(str(error).split())[:300]}",
     )
 

@@ -150,12 +150,11 @@ class ComponentRegistry:
                 if handle is not None:
                     self._by_handle[id(handle)] = (weakref.ref(variable), i)
 
-    def mirrored(self, handle) -> bool:
-        """Whether `handle` is replica 0's component of a variable synchronised on write."""
-        entry = self._by_handle.get(id(handle))
-        variable = entry[0]() if entry is not None else None
-        return variable is not None and self.components(handle) is not None and (
-            variable.synchronization != tf.VariableSynchronization.ON_READ)
+    def on_read(self, handle) -> bool:
+        """Whether `handle` is replica 0's component of a variable synchronised on read."""
+        components = self.components(handle)
+        variable = self._by_handle[id(handle)][0]() if components is not None else None
+        return variable is not None and variable.synchronization == tf.VariableSynchronization.ON_READ
 
     def components(self, handle) -> tuple | None:
         """The components of the variable `handle` is replica 0's component of, else None."""
@@ -385,7 +384,7 @@ def _shared_capture(registry: ComponentRegistry, launchers, devices) -> Callable
     def shared(tensor) -> bool:
         if id(tensor) in per_replica_state:
             return False
-        return registry.components(tensor) is None or registry.mirrored(tensor)
+        return not registry.on_read(tensor)
 
     return shared
 
@@ -523,6 +522,10 @@ def _join_collective_group(extended, launchers) -> None:
     _joined.add(extended)
 
 
+# A `call_for_each_replica` inside another's `merge_call` (same thread) is part of its step.
+_nested = threading.local()
+
+
 def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launchers) -> Any:
     """The replica step on every replica: traced once where it can be, else per replica."""
     if launchers and not getattr(_nested, "depth", 0):
@@ -532,10 +535,6 @@ def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launch
         return _call_for_each_replica(extended, fn, args, kwargs, registry, launchers)
     finally:
         _nested.depth -= 1
-
-
-# A `call_for_each_replica` inside another's `merge_call` (same thread) is part of its step.
-_nested = threading.local()
 
 
 def _call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launchers) -> Any:
