@@ -94,6 +94,27 @@ def test_remat_scope_under_the_strategy_trains_as_one_device(trace_once, referen
     assert_same_run(train(remat={"mode": "full"}, strategy=strategy), reference)
 
 
+class DenseDropout(keras.layers.Layer):
+    """Dense then Dropout(0.5) in one layer: its recomputation must draw the forward's mask."""
+
+    def build(self, shape):
+        self.dense = keras.layers.Dense(16, activation="relu")
+        self.dropout = keras.layers.Dropout(0.5, seed=3)
+
+    def call(self, x, training=None):
+        return self.dropout(self.dense(x), training=training)
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_dropout_inside_remat_draws_the_forwards_masks(devices):
+    runs = []
+    for remat in (None, {"mode": "full"}):
+        strategy = kr.ReplicatorStrategy() if devices > 1 else None
+        runs.append(train(remat=remat, strategy=strategy,
+                          layers=lambda: [DenseDropout(), keras.layers.Dense(1)]))
+    assert_same_run(runs[1], runs[0])
+
+
 def test_remat_recomputes_the_forward_in_the_gradient():
     counted = {}
     for remat in (None, {"mode": "full"}):
