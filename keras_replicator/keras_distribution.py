@@ -17,6 +17,7 @@ split over the replicas as JAX's `DataParallel` shards it. The same devices
 give the same strategy, so a model keeps training after the distribution is set
 again. `set_distribution(None)` leaves the scope: models built afterwards are
 plain Keras ones (the models built before keep their strategy, as on JAX).
+`keras.utils.clear_session()` ends it too, as it ends Keras's setting.
 
 What it cannot do raises `ArgumentError` in `set_distribution`, before Keras's
 setting changes: `ModelParallel` (the layouts need the model-parallel engine of
@@ -45,7 +46,8 @@ __all__ = ["strategy_for"]
 # devices again finds the strategy its models' variables belong to.
 _strategies: dict[tuple[str, ...], ReplicatorStrategy] = {}
 _lock = threading.Lock()
-# The scope this thread entered for its Keras distribution: (strategy, scope).
+# The scope this thread entered for its Keras distribution: (strategy, scope, the default
+# graph it was entered in: `keras.utils.clear_session()` replaces that graph).
 _entered = threading.local()
 
 _DEVICE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu):(\d+)$", re.IGNORECASE)
@@ -136,11 +138,26 @@ def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStr
 
 def _leave() -> None:
     entered = getattr(_entered, "value", None)
-    if entered is not None:
-        _entered.value = None
-        entered[1].__exit__(None, None, None)
-        # Models built from now on are plain Keras ones: no "fit runs on one device" warning.
-        keras_trainer.unregister_strategy(entered[0])
+    if entered is None:
+        return
+    strategy, scope, graph = entered
+    _entered.value = None
+    try:
+        scope.__exit__(None, None, None)
+    except IndexError:
+        # keras.utils.clear_session() reset TensorFlow's default graph, and the scope's
+        # entry with it (as it reset Keras's distribution); the scope's patches are left.
+        if graph is tf.compat.v1.get_default_graph():
+            raise
+    # Models built from now on are plain Keras ones: no "fit runs on one device" warning.
+    keras_trainer.unregister_strategy(strategy)
+
+
+def _forget_a_cleared_scope() -> None:
+    """Leaves a scope whose entry `keras.utils.clear_session()` erased with the default graph."""
+    entered = getattr(_entered, "value", None)
+    if entered is not None and entered[2] is not tf.compat.v1.get_default_graph():
+        _leave()
 
 
 def follow(distribution: Any, set_distribution: Any) -> None:
@@ -151,6 +168,7 @@ def follow(distribution: Any, set_distribution: Any) -> None:
     changes, so a distribution that cannot run leaves everything as it was.
     """
     strategy = None if distribution is None else strategy_for(distribution)
+    _forget_a_cleared_scope()
     entered = getattr(_entered, "value", None)
     current = entered[0] if entered is not None else None
     top = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
@@ -168,5 +186,4 @@ def follow(distribution: Any, set_distribution: Any) -> None:
         keras_trainer.register_strategy(strategy)
         scope = strategy.scope()
         scope.__enter__()
-        _entered.value = (strategy, scope)
-
+        _entered.value = (strategy, scope, tf.compat.v1.get_default_graph())

@@ -107,6 +107,25 @@ def test_set_distribution_none_returns_to_plain_keras(one_device):
     assert len(replicated_over(replicated)) == 4
 
 
+def test_a_tf_data_dataset_and_clear_session(one_device):
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).batch(16), epochs=2, shuffle=False, verbose=0)
+    assert len(replicated_over(model)) == 4
+    assert max_difference(model, one_device[0]) <= 1e-5
+    # clear_session forgets Keras's distribution and TensorFlow's scope alike: plain Keras.
+    keras.utils.clear_session()
+    assert keras.distribution.distribution() is None and not tf.distribute.has_strategy()
+    plain, _ = jax_style_script(epochs=1)
+    assert not replicated_over(plain)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    again, _ = jax_style_script(epochs=1)
+    assert len(replicated_over(again)) == 4
+
+
 def test_the_same_devices_give_the_same_strategy():
     first = kr.keras_distribution.strategy_for(keras.distribution.DataParallel())
     again = kr.keras_distribution.strategy_for(keras.distribution.DataParallel(
