@@ -28,6 +28,7 @@ installed version is outside the range a module was checked on.
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
+| `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -49,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+from collections.abc import Iterator
 
 # The versions each module was checked on, inclusive: (package, lowest, highest).
 CHECKED: dict[str, tuple[str, str, str]] = {
@@ -71,6 +73,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
+    "keras_layouts": ("keras", "3.15", "3.15"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
@@ -116,6 +119,7 @@ def _permanent():
     from keras_replicator._compat import (
         host_iterator,
         keras_checkpointing,
+        keras_layouts,
         keras_optimizer,
         keras_sharded_optimizer,
         keras_trainer,
@@ -136,6 +140,8 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
+        # LayoutMap shards: the parallel layer rules and the unsharded saving.
+        *keras_layouts.PATCHES,
     ])
 
 
@@ -176,6 +182,11 @@ def _strategy_scope():
                              keras_seed_generator.PATCH])
 
 
-def strategy_scope_patches() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def strategy_scope_patches() -> Iterator[None]:
     """The scoped patches, applied for the outermost of nested strategy scopes."""
-    return _strategy_scope().scope()
+    from keras_replicator._compat import keras_layouts
+
+    # add_weight under a LayoutMap first, so BatchNormalization's patch wraps it.
+    with keras_layouts.ADD_WEIGHT.scope(), _strategy_scope().scope():
+        yield
