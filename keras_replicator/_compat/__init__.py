@@ -30,6 +30,7 @@ installed version is outside the range a module was checked on.
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
 | `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it) | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
+| `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -60,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+from collections.abc import Iterator
 
 # The versions each module was checked on, inclusive: (package, lowest, highest).
 CHECKED: dict[str, tuple[str, str, str]] = {
@@ -82,6 +84,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
+    "keras_layouts": ("keras", "3.15", "3.15"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
@@ -129,6 +132,7 @@ def _permanent():
     from keras_replicator._compat import (
         host_iterator,
         keras_checkpointing,
+        keras_layouts,
         keras_optimizer,
         keras_sharded_optimizer,
         keras_trainer,
@@ -149,6 +153,8 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
+        # LayoutMap shards: the parallel layer rules and the unsharded saving.
+        *keras_layouts.PATCHES,
     ])
 
 
@@ -215,6 +221,11 @@ def _strategy_scope():
                              keras_seed_generator.PATCH])
 
 
-def strategy_scope_patches() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def strategy_scope_patches() -> Iterator[None]:
     """The scoped patches, applied for the outermost of nested strategy scopes."""
-    return _strategy_scope().scope()
+    from keras_replicator._compat import keras_layouts
+
+    # add_weight under a LayoutMap first, so BatchNormalization's patch wraps it.
+    with keras_layouts.ADD_WEIGHT.scope(), _strategy_scope().scope():
+        yield
