@@ -46,6 +46,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 	$(PY) -m benchmarks.memory
+	$(PY) -m benchmarks.backup_soak --cost --json benchmarks/results/backup_cost.json
+	$(PY) -m benchmarks.backup_soak --kills 50 --json benchmarks/results/backup_soak.json
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
