@@ -326,20 +326,29 @@ def test_a_second_signal_kills_at_once(tmp_path):
 
 
 FAIL_ONCE = """
-    import os, sys
+    import os, sys, time
     index = int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
     restart = int(os.environ["KERAS_REPLICATOR_RESTART_COUNT"])
     print("worker", index, "restart", restart, "config", os.environ["TF_CONFIG"])
+    printed = os.environ.get("PRINTED")  # a folder: worker 0 says there that it has printed
+    if printed and index == 0:
+        open(os.path.join(printed, str(restart)), "w").close()
     if index == 1 and restart < {failures}:
+        deadline = time.monotonic() + 60  # with PRINTED, fails once worker 0 has printed
+        while printed and not os.path.exists(os.path.join(printed, str(restart))) and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("failing on purpose")
         sys.exit(3)
 """
 
 
 def test_max_restarts_restarts_every_worker_until_success(tmp_path):
+    (printed := tmp_path / "printed").mkdir()
     out = io.StringIO()
+    # Worker 1 fails once worker 0 has printed its line (the launcher then stops worker 0, whatever
+    # it has done): each start's line is there however slowly the workers start.
     code = launch(script(tmp_path, FAIL_ONCE.format(failures=2)), workers=2, max_restarts=2, output=out,
-                  grace=1)
+                  grace=1, env={"PRINTED": str(printed)})
     text = out.getvalue()
     assert code == 0, text
     assert "[launcher] restarting every worker (restart 1 of 2)" in text
