@@ -213,3 +213,27 @@ def test_checkpoint_from_a_mesh_continues_on_another_mesh_and_on_one_device(stra
     path = str(tmp_path / "one.weights.h5")
     fit(None, "adamw", epochs=1).save_weights(path)
     assert kr.testing.max_weight_difference(resumed(strategy, path), uninterrupted) <= 1e-5
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_from_a_mesh_resumes_on_one_device(strategy, tmp_path):
+    uninterrupted = fit(None, "adamw", epochs=2)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with strategy.scope():
+        model = two_stage(strategy)
+        model.compile(OPTIMIZERS["adamw"](), "mse")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[backup, _StopAfterEpoch()])
+    restarted = two_stage()
+    restarted.compile(OPTIMIZERS["adamw"](), "mse")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    history = restarted.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[backup])
+    assert len(history.history["loss"]) == 1  # the second epoch only
+    assert kr.testing.max_weight_difference(restarted, uninterrupted) <= 1e-5
