@@ -8,6 +8,7 @@ from keras_replicator import (
     data,
     errors,
     layers,
+    model_parallel,
     optimizers,
     resume,
     schedules,
@@ -29,6 +30,7 @@ from keras_replicator.errors import (
     DeviceConfigurationError,
     WorkerLostError,
 )
+from keras_replicator.model_parallel import logical_device
 from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.saving import save_model
 from keras_replicator.strategy import ReplicatorStrategy
@@ -57,6 +59,8 @@ __all__ = [
     "errors",
     "layers",
     "local_devices",
+    "logical_device",
+    "model_parallel",
     "num_replicas",
     "optimizers",
     "replica_id",

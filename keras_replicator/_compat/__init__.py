@@ -27,6 +27,7 @@ installed version is outside the range a module was checked on.
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
+| `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
 | `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
@@ -77,6 +78,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
+    "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
 }
 
 
@@ -126,6 +128,7 @@ def _permanent():
         keras_xla,
         multi_device_iterator,
         patching,
+        tape_gradient_device,
     )
 
     return patching.Patches([
@@ -140,6 +143,8 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
+        # A replica over several devices: each gradient built on its forward op's device.
+        *tape_gradient_device.PATCHES,
         # LayoutMap shards: the parallel layer rules and the unsharded saving.
         *keras_layouts.PATCHES,
     ])
