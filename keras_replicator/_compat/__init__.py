@@ -156,10 +156,10 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
-        # LayoutMap shards: the parallel layer rules and the unsharded saving.
-        *keras_layouts.PATCHES,
         # A replica over several devices: each gradient built on its forward op's device.
         *tape_gradient_device.PATCHES,
+        # LayoutMap shards: the parallel layer rules and the unsharded saving.
+        *keras_layouts.PATCHES,
     ])
 
 
