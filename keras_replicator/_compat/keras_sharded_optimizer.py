@@ -226,10 +226,13 @@ def _sharded_update(self, grads, variables, learning_rate):
     for grad, var in grads_and_vars:
         owner = plan.owners[plan.index_by_key[self._var_key(var)]]
         copy = var._get() if isinstance(var, tf.distribute.DistributedValues) else var
+        if grad is not None and self.weight_decay is not None and self._use_weight_decay(var):
+            # Every replica decays its own copy (the owner's value replaces the others'), as
+            # unsharded: it needs no data, so it also runs alone in the last step of an epoch
+            # of unknown length, as on one device (`replica_step_split`).
+            lr = tf.cast(self.learning_rate, copy.dtype)
+            copy.assign_sub(copy * tf.cast(self.weight_decay, copy.dtype) * lr)
         if owner == me and grad is not None:
-            if self.weight_decay is not None and self._use_weight_decay(var):
-                lr = tf.cast(self.learning_rate, copy.dtype)
-                copy.assign_sub(copy * tf.cast(self.weight_decay, copy.dtype) * lr)
             self.update_step(grad, copy, learning_rate)
         copies.append(copy)
         owners.append(owner)
