@@ -219,8 +219,8 @@ def cost(megabytes: float, repeats: int) -> dict:
 
     stock_save = next(p for p in keras_checkpointing.PATCHES
                       if p.owner is backup_and_restore.BackupAndRestore and p.name == "_save_model").original
-    # Adam: 3 floats per weight. Square hidden layers of `width`: 2 of them hold most weights.
-    width = int((megabytes * 1e6 / 12 / 2) ** 0.5)
+    # Adam: 3 floats (12 bytes) per weight; the one square hidden layer (width x width) holds most.
+    width = int((megabytes * 1e6 / 12) ** 0.5)
     with strategy.scope():
         model = _model(keras, width=width, features=64)
     x = np.ones((BATCH, 64), "float32")

@@ -87,13 +87,12 @@ class _PathsRedirected:
 STEP_KEY = "keras_replicator_step_in_epoch"
 
 
-def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
+def save_mid_epoch(backup, epoch: int, step: int) -> None:
     """Writes and commits `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`).
 
     Sets the private `_current_epoch` (the epoch Keras writes); `STEP_KEY` goes into the
     metadata before the commit. The weights and optimizer state are written by
-    `_save_model` (patched below: only the chief writes where asked). ``is_chief``: kept
-    for the callers; the patched save asks the strategy.
+    `_save_model` (patched below: only the chief writes where asked, and commits).
     """
     backup._current_epoch = epoch
     backup._kr_mid_epoch = int(step)
