@@ -79,7 +79,10 @@ def test_cross_replica_optimizer_evaluate_and_predict_match_one_device(strategy)
                                reference.predict(X, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def test_custom_loop_places_ops_and_gradients_per_replica(strategy):
+@pytest.mark.parametrize("communication", ["auto", "ring"])
+def test_custom_loop_places_ops_gradients_and_all_reduces_per_replica(strategy, communication):
+    if communication != "auto":  # a collective all-reduce: one group per logical device
+        strategy = kr.ReplicatorStrategy(devices_per_replica=2, communication=communication)
     with strategy.scope():
         model = two_stage(strategy)
         optimizer = keras.optimizers.SGD(0.1)
@@ -109,12 +112,18 @@ def test_custom_loop_places_ops_and_gradients_per_replica(strategy):
             loss = tf.reduce_mean((reference(X[i:i + BATCH]) - Y[i:i + BATCH]) ** 2)
         reference_optimizer.apply(tape.gradient(loss, reference.trainable_variables),
                                   reference.trainable_variables)
+    kr.testing.assert_replicas_identical(model)
     assert kr.testing.max_weight_difference(model, reference) <= 1e-5
     # Each replica's gradients were computed where their variables live: the
     # backward pass of stage 2 on its logical device 1.
     kernels = [g[2] for g in where[:2]]
     assert kernels == mesh_devices(strategy, 1)
     assert [g[0] for g in where[:2]] == mesh_devices(strategy, 0)
+    if communication == "ring":
+        # Stage 2's gradients are all-reduced among its copies, on logical device 1.
+        graph = step.get_concrete_function(x, y).graph
+        collectives = {op.device for op in graph.get_operations() if op.type == "CollectiveReduceV2"}
+        assert collectives == set(strategy.mesh.devices)
 
 
 def test_shard_optimizer_state_matches_one_device():
