@@ -179,21 +179,32 @@ def test_two_workers_each_one_replica_of_two_devices(tmp_path):
     code = launcher.launch(os.path.join(ROOT, "tests", "model_parallel_job.py"), [str(tmp_path)],
                            workers=2, devices_per_worker=2, env=launch_env(), timeout=400, output=out)
     assert code == 0, out.getvalue()[-8000:]
-    reports, weights = [], []
-    for i in range(2):
-        with open(tmp_path / f"worker{i}.json") as f:
-            reports.append(json.load(f))
-        with np.load(tmp_path / f"worker{i}.npz") as arrays:
-            weights.append([arrays[f"arr_{j}"] for j in range(len(arrays.files))])
     reference = fit(None, "adamw").get_weights()
-    for i, report in enumerate(reports):
-        task = f"/job:worker/replica:0/task:{i}/device:CPU:"
-        assert report["num_replicas"] == 2 and report["mesh"] == [task + "0", task + "1"]
-        assert report["stage1"] == [task + "0"] and report["stage2"] == [task + "1"]
-        assert report["slots"] and all(d == [task + "1"] for d in report["slots"].values())
-    for a, b, want in zip(weights[0], weights[1], reference):
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(a, want, atol=1e-5, rtol=0)
+    for name in ("mirrored", "sharded"):
+        reports, weights = [], []
+        for i in range(2):
+            with open(tmp_path / f"{name}{i}.json") as f:
+                reports.append(json.load(f))
+            with np.load(tmp_path / f"{name}{i}.npz") as arrays:
+                weights.append([arrays[f"arr_{j}"] for j in range(len(arrays.files))])
+        held = []
+        for i, report in enumerate(reports):
+            task = f"/job:worker/replica:0/task:{i}/device:CPU:"
+            assert report["num_replicas"] == 2 and report["mesh"] == [task + "0", task + "1"]
+            assert report["stage1"] == [task + "0"] and report["stage2"] == [task + "1"]
+            assert report["slots"], report
+            for shape, *devices in report["slots"].values():
+                # Each slot of stage 2's kernel: whole on this worker's logical device 1
+                # (mirrored, or owned here), or an empty placeholder (owned by the other worker).
+                held.append(tuple(shape) != (0,))
+                assert devices == [task + "1"] or not held[-1], (name, report["slots"])
+        if name == "sharded":  # AdamW's 2 moments of stage 2's kernel, each whole once in the job
+            assert sum(held) == 2 and len(held) == 4, reports
+        else:
+            assert all(held) and len(held) == 4
+        for a, b, want in zip(weights[0], weights[1], reference):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, want, atol=1e-5, rtol=0)
 
 
 def resumed(strategy, path) -> keras.Model:
