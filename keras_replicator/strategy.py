@@ -26,13 +26,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster, data
 from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
-from keras_replicator._validation import check_bool, check_choice, check_int, check_number
+from keras_replicator._validation import (
+    ArgumentError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 from keras_replicator.cross_device_ops import default_cross_device_ops
+from keras_replicator.model_parallel.layout import LayoutRules
 from keras_replicator.model_parallel.mesh import ReplicaMesh
+from keras_replicator.model_parallel.sharding import ModelSharding, StrategyPlacement
 
 _COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -82,6 +91,23 @@ def _normalise_devices(devices) -> list[str]:
                 "On a CPU-only machine, call kr.simulate_devices(n) first to get n CPU devices."
             )
     return names
+
+
+def _mesh_shape(rules: LayoutRules, devices_per_replica: int, devices) -> tuple[int, list[str]]:
+    """k and the devices a `LayoutMap`'s mesh gives (its model axis, its devices replica by replica)."""
+    k = rules.model_size
+    if devices_per_replica not in (1, k):
+        raise ArgumentError(
+            f"devices_per_replica={devices_per_replica} differs from the layout_map mesh's model axis "
+            f"({k}): give one or the other."
+        )
+    mesh_devices = rules.mesh_devices()
+    if devices is not None and len(_device_strings(devices)) != len(mesh_devices):
+        raise ArgumentError(
+            f"devices lists {len(_device_strings(devices))} devices but the layout_map's mesh has "
+            f"{len(mesh_devices)} ({rules.axis_sizes}): leave devices out to use the mesh's."
+        )
+    return k, mesh_devices if devices is None else devices
 
 
 def _local_device_names(devices) -> list[str] | None:
@@ -223,6 +249,18 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             place variables and ops on the others (see the guide "Model
             parallelism"). Steps are then traced per replica. The default, 1,
             is data parallelism: one device per replica.
+        layout_map: a ``keras.distribution.LayoutMap`` over a
+            ``keras.distribution.DeviceMesh`` with a model axis ``"model"``
+            (and a data axis ``"batch"``): tensor parallelism as Keras's
+            ``ModelParallel`` describes it. The mesh gives M (the data axis) and
+            k (the model axis, ``devices_per_replica``) and, unless ``devices``
+            is given, the devices (``mesh.devices[r, j]`` is replica r's logical
+            device j). A variable made in the scope whose layout names the model
+            axis is stored as k shards, shard j on logical device j of every
+            replica; ``Dense``, ``EinsumDense``, ``Embedding`` and
+            ``MultiHeadAttention`` compute on the shards (see the guide "Model
+            parallelism: layouts"). A bad layout raises
+            `keras_replicator.errors.LayoutError` before any step.
     """
 
     def __init__(
@@ -238,8 +276,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         shard_optimizer_state: bool = False,
         trace_once: bool = True,
         devices_per_replica: int = 1,
+        layout_map: keras.distribution.LayoutMap | None = None,
     ):
         devices_per_replica = check_int("devices_per_replica", devices_per_replica, minimum=1)
+        rules = None
+        if layout_map is not None:
+            rules = LayoutRules(layout_map)  # the layouts' errors, before any work
+            devices_per_replica, devices = _mesh_shape(rules, devices_per_replica, devices)
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         trace_once = check_bool("trace_once", trace_once)
         if cross_device_ops is not None and not isinstance(
@@ -294,6 +337,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 devices_per_replica=devices_per_replica,
             )
         super().__init__(extended)
+        if rules is not None:
+            self.model_sharding = ModelSharding(layout_map, StrategyPlacement(self))
         if self.on_sigterm == "fatal" and self.num_workers > 1:
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
@@ -310,6 +355,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
+    #: The `layout_map`'s layouts in force in the scope (`model_parallel.sharding.ModelSharding`), or None.
+    model_sharding: ModelSharding | None = None
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -56,7 +56,8 @@ def transformer_layout(m) -> keras.distribution.LayoutMap:
 def transformer():
     ids = keras.Input((T,), dtype="int32")
     x = keras.layers.Embedding(V, D, name="token")(ids)
-    x = x + keras.layers.Embedding(T, D, name="position")(keras.ops.arange(T))
+    positions = keras.ops.zeros_like(ids) + keras.ops.arange(T, dtype="int32")   # symbolic: in the model
+    x = x + keras.layers.Embedding(T, D, name="position")(positions)
     a = keras.layers.MultiHeadAttention(HEADS, D // HEADS, name="mha")(x, x, use_causal_mask=True)
     x = keras.layers.LayerNormalization(name="norm")(x + a)
     f = keras.layers.Dense(32, activation="gelu", name="ffn_in")(x)
@@ -87,19 +88,22 @@ def by_index(per_device: dict) -> dict:
     return {tf.DeviceSpec.from_string(d).device_index: b for d, b in per_device.items()}
 
 
-def assert_bytes_per_device(model, k: int, slots: int) -> None:
-    """Shard j of each sharded weight (and of its gradient and slots) on device j, the rest on 0."""
+def assert_bytes_per_device(model, replicas: int, k: int, slots: int) -> None:
+    """Replica r's device j (index r * k + j) holds shard j of each sharded weight, of its
+    gradient and of its slots; logical device 0 of each replica holds the whole variables."""
     sharded = sum(np.prod(v.shape) * 4 for v in model.weights if "_shard" in v.path)
     whole = sum(np.prod(v.shape) * 4 for v in model.weights) - sharded
     trainable_whole = sum(np.prod(v.shape) * 4 for v in model.trainable_weights) - sharded
     parts = {name: by_index(part) for name, part in training_bytes_per_device(model).items()}
     assert sharded > 0
-    assert parts["weights"] == {0: sharded // k + whole, **{j: sharded // k for j in range(1, k)}}
-    assert parts["gradients"] == {0: sharded // k + trainable_whole,
-                                  **{j: sharded // k for j in range(1, k)}}
-    assert {j: parts["optimizer"].get(j, 0) for j in range(1, k)} == {
-        j: slots * sharded // k for j in range(1, k)}
-    assert parts["optimizer"][0] - slots * (sharded // k + trainable_whole) in (12, 16)   # counters
+    share = sharded // k
+    devices = [(r * k + j, j) for r in range(replicas) for j in range(k)]
+    assert parts["weights"] == {d: share + (whole if j == 0 else 0) for d, j in devices}
+    assert parts["gradients"] == {d: share + (trainable_whole if j == 0 else 0) for d, j in devices}
+    for d, j in devices:
+        slot_bytes = slots * (share + (trainable_whole if j == 0 else 0))
+        counters = 12 if j == 0 else 0                       # iterations (int64), learning rate
+        assert parts["optimizer"].get(d, 0) == slot_bytes + counters, (d, parts["optimizer"])
 
 
 def assert_weights_close(model, ref, atol=1e-5):
@@ -109,29 +113,52 @@ def assert_weights_close(model, ref, atol=1e-5):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind,optimizer", [("mlp", "sgd"), ("transformer", "adamw")])
-def test_one_replica_over_four_devices_trains_as_one_device(kind, optimizer, monkeypatch):
-    """(1, 4) without a strategy: shards on 4 devices, steps equal one device's; bytes per device."""
+def spy_attention_by_heads(monkeypatch) -> list:
     calls = []
     by_heads = keras_layouts._attention_by_heads
     monkeypatch.setattr(keras_layouts, "_attention_by_heads", lambda *a: calls.append(1) or by_heads(*a))
-    layout_map = (mlp_layout if kind == "mlp" else transformer_layout)(mesh(1, 4))
-    sharding = ModelSharding(layout_map)
+    return calls
+
+
+@pytest.mark.parametrize("shape,kind,optimizer", [
+    pytest.param((1, 4), "mlp", "adamw", id="1x4-mlp-adamw"),
+    pytest.param((2, 2), "mlp", "sgd", id="2x2-mlp-sgd"),
+    pytest.param((2, 2), "mlp", "adamw", id="2x2-mlp-adamw"),
+    pytest.param((1, 4), "transformer", "sgd", id="1x4-transformer-sgd"),
+    pytest.param((2, 2), "transformer", "adamw", id="2x2-transformer-adamw")])
+def test_layout_map_strategy_trains_as_one_device(shape, kind, optimizer, monkeypatch):
+    """ReplicatorStrategy(layout_map=...): M x k from the mesh, steps_per_execution=3, weights as
+    one device's after 6 steps; bytes per device from where each shard lives."""
+    calls = spy_attention_by_heads(monkeypatch)
+    strategy = kr.ReplicatorStrategy(layout_map=(mlp_layout if kind == "mlp" else transformer_layout)(mesh(*shape)))
+    assert (strategy.num_replicas_in_sync, strategy.devices_per_replica) == shape
     keras.utils.set_random_seed(1)
-    with sharding.scope():
-        model = (mlp if kind == "mlp" else transformer)()
-    sharding.check_all_rules_matched("the test")
-    ref = reference(kind)
+    with strategy.scope():
+        model = compiled((mlp if kind == "mlp" else transformer)(), kind, optimizer)
+    ref = compiled(reference(kind), kind, optimizer)
     assert_weights_close(model, ref, atol=0)            # the same initial values
-    shard_devices = {tf.DeviceSpec.from_string(v.value.device).device_index
-                     for v in model.trainable_weights if "_shard" in v.path}
-    assert shard_devices == {0, 1, 2, 3}
     x, y = data(kind)
     for m in (model, ref):
-        compiled(m, kind, optimizer).fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
     assert calls or kind == "mlp"                       # attention ran by heads
-    assert_bytes_per_device(model, 4, slots=0 if optimizer == "sgd" else 2)
+    assert_bytes_per_device(model, *shape, slots=0 if optimizer == "sgd" else 2)
+
+
+def test_one_replica_over_four_devices_without_a_strategy():
+    """ModelSharding.scope(): an MLP on 4 devices of one process, AdamW (slots beside their shards)."""
+    sharding = ModelSharding(mlp_layout(mesh(1, 4)))
+    keras.utils.set_random_seed(1)
+    with sharding.scope():
+        model = mlp()
+    sharding.check_all_rules_matched("the test")
+    ref = reference("mlp")
+    assert_weights_close(model, ref, atol=0)            # the same initial values
+    x, y = data("mlp")
+    for m in (model, ref):
+        compiled(m, "mlp", "adamw").fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert_bytes_per_device(model, 1, 4, slots=2)
 
 
 def test_any_other_use_gathers_the_whole_tensor():
@@ -163,22 +190,53 @@ def test_any_other_use_gathers_the_whole_tensor():
     np.testing.assert_allclose(np.concatenate(grads, axis=1), want_grad, rtol=1e-5, atol=1e-6)
 
 
-def test_save_sharded_load_on_one_device(tmp_path):
-    """`save_weights` writes the whole tensors: a one-device model loads them, and back."""
-    sharding = ModelSharding(transformer_layout(mesh(1, 4)))
+def test_save_on_2x2_load_on_one_device_and_back(tmp_path):
+    """`save_weights` and `model.save` from (2, 2) write whole tensors: one device loads them."""
+    strategy = kr.ReplicatorStrategy(layout_map=transformer_layout(mesh(2, 2)))
     keras.utils.set_random_seed(3)
-    with sharding.scope():
+    with strategy.scope():
         model = transformer()
-    path = str(tmp_path / "m.weights.h5")
-    model.save_weights(path)
+    weights, whole = str(tmp_path / "m.weights.h5"), str(tmp_path / "m.keras")
+    model.save_weights(weights)
+    model.save(whole)
     ref = reference("transformer")
     assert not all(np.array_equal(a, b) for a, b in zip(ref.get_weights(), model.get_weights()))
-    ref.load_weights(path)
+    ref.load_weights(weights)
     assert_weights_close(model, ref, atol=0)
-    ref.set_weights([w + 1.0 for w in ref.get_weights()])
-    ref.save_weights(path)
-    model.load_weights(path)
+    assert_weights_close(model, keras.saving.load_model(whole), atol=0)
+    ref.set_weights([w * 0.9 + 0.01 for w in ref.get_weights()])
+    ref.save_weights(weights)
+    model.load_weights(weights)
     assert_weights_close(model, ref, atol=0)
+    np.testing.assert_allclose(model.predict(data("transformer")[0], verbose=0),
+                               ref.predict(data("transformer")[0], verbose=0), atol=1e-5)
+
+
+def test_a_rule_matching_no_variable_raises_at_compile_or_at_the_first_fit():
+    layout_map = mlp_layout(mesh(2, 2))
+    layout_map[".*renamed/kernel"] = (None, "model")
+    strategy = kr.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model = mlp()                                   # built: the check is at compile
+        with pytest.raises(kr.errors.LayoutError, match=r"\['\.\*renamed/kernel'\] match no variable.*compile"):
+            model.compile("sgd", "mse")
+
+    class Unbuilt(keras.Model):                         # built by Keras from the first batch
+        def __init__(self):
+            super().__init__()
+            self.column, self.row = keras.layers.Dense(16, name="column"), keras.layers.Dense(3, name="row")
+
+        def call(self, x):
+            return self.row(self.column(x))
+
+    strategy = kr.ReplicatorStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model = Unbuilt()
+        model.compile("sgd", "mse")
+    with pytest.raises(kr.errors.LayoutError, match="match no variable.*the first fit"):
+        model.fit(*data("mlp"), batch_size=4, verbose=0)
+    with pytest.raises(kr.errors.ArgumentError, match="differs from the layout_map mesh's model axis"):
+        kr.ReplicatorStrategy(layout_map=layout_map, devices_per_replica=4)
 
 
 def layout_error(layout_map, build, match):
@@ -227,7 +285,7 @@ def test_kerashub_gemma_with_its_own_layout_map():
     def gemma():
         keras.utils.set_random_seed(1)
         backbone = keras_hub.models.GemmaBackbone(
-            vocabulary_size=-(-tokenizer.vocabulary_size() // 4) * 4,   # rows split over 4 devices
+            vocabulary_size=-(-tokenizer.vocabulary_size() // 2) * 2,   # rows split over 2 devices
             num_layers=2, num_query_heads=4, num_key_value_heads=4, hidden_dim=16,
             intermediate_dim=32, head_dim=8, dropout=0.0)
         preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=hub.SEQUENCE_LENGTH)
@@ -235,10 +293,9 @@ def test_kerashub_gemma_with_its_own_layout_map():
         hub.compile_causal_lm(model, optimizer=keras.optimizers.AdamW(1e-2))
         return model
 
-    sharding = ModelSharding(keras_hub.models.GemmaBackbone.get_layout_map(mesh(1, 4)))
-    with sharding.scope():
+    strategy = kr.ReplicatorStrategy(layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh(2, 2)))
+    with strategy.scope():
         model = gemma()
-    sharding.check_all_rules_matched("the test")
     ref = gemma()
     assert len(model.trainable_weights) > len(ref.trainable_weights)    # sharded
     # Tokenized before fit (KerasHub 0.32's SentencePiece resource inside fit's tf.data: test_kerashub).
@@ -253,3 +310,14 @@ def test_kerashub_gemma_with_its_own_layout_map():
     assert_weights_close(model, ref)
     prompts = dict(inputs=hub.PROMPTS, max_length=hub.SEQUENCE_LENGTH, stop_token_ids=None)
     assert list(model.generate(**prompts)) == list(ref.generate(**prompts))
+
+
+def test_guide_example():
+    # docs/model_parallel.md's LayoutMap block, in a fresh interpreter with its own 4 devices.
+    from tests.helpers import python_blocks, run_markdown_example
+
+    assert "kr.ReplicatorStrategy(layout_map=layout_map)" in python_blocks("docs/model_parallel.md")[1]
+    lines = run_markdown_example("docs/model_parallel.md", 1).stdout.strip().splitlines()
+    assert lines[-3].endswith("'sequential/up/bias_shard1']")
+    assert lines[-2] == "(16, 64) [(16, 64), (64,)]"
+    assert lines[-1] == "[2304, 2304, 2308, 2308]"

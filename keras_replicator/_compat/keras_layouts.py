@@ -14,6 +14,10 @@ Patches (checked on Keras 3.15):
 * `TFOptimizer.add_variable_from_reference`, installed: a shard's slots are made
   under its placement (a strategy colocates them anyway; eagerly without one, a
   colocation is ignored).
+* `Trainer.compile` (when the model is built) and
+  `TensorFlowTrainer._maybe_symbolic_build` (the first `fit`, `evaluate`, `predict`),
+  installed, under a strategy with a `layout_map`: the earliest points where every
+  variable exists, so a rule that matched none raises there, before any step.
 * `Layer.get_weights`, `set_weights`, `save_own_variables`,
   `load_own_variables`, `_check_load_own_variables`, installed: while they run,
   the layers' variable lists (`_trainable_variables`, `_non_trainable_variables`)
@@ -39,7 +43,9 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common.name_scope import current_path
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers import Layer as _Layer
+from keras.src.trainers.trainer import Trainer
 
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
@@ -240,6 +246,31 @@ def _slot_beside_shard(original):
     return add_variable_from_reference
 
 
+def _check_rules(model, where: str) -> None:
+    model_sharding = getattr(getattr(model, "distribute_strategy", None), "model_sharding", None)
+    if model_sharding is not None:
+        model_sharding.check_all_rules_matched(where)
+
+
+def _check_at_compile(original):
+    def compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if self.built:
+            _check_rules(self, "compile (the model was built)")
+        return result
+
+    return compile
+
+
+def _check_after_build(original):
+    def _maybe_symbolic_build(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        _check_rules(self, "the first fit, evaluate or predict (once Keras built the model)")
+        return result
+
+    return _maybe_symbolic_build
+
+
 def _whole(original):
     def method(self, *args, **kwargs):
         with whole_variables(self):
@@ -256,6 +287,8 @@ PATCHES = [
     ScopedPatch(keras.layers.Embedding, "call", _embedding_call),
     ScopedPatch(keras.layers.MultiHeadAttention, "call", _attention_call),
     ScopedPatch(TFOptimizer, "add_variable_from_reference", _slot_beside_shard),
+    ScopedPatch(Trainer, "compile", _check_at_compile),
+    ScopedPatch(TensorFlowTrainer, "_maybe_symbolic_build", _check_after_build),
     *(ScopedPatch(_Layer, name, _whole) for name in (
         "get_weights", "set_weights", "save_own_variables", "load_own_variables",
         "_check_load_own_variables")),

@@ -133,6 +133,14 @@ class LayoutRules:
         """M: the data axis's size (replicas), 1 without a data axis."""
         return self.axis_sizes.get(self.data_axis, 1)
 
+    def mesh_devices(self) -> list[str]:
+        """The mesh's devices replica by replica (TensorFlow's names): replica r's j-th is [r * k + j]."""
+        mesh = self.layout_map.device_mesh
+        grid = mesh.devices
+        if list(mesh.axis_names)[0] == self.model_axis and grid.ndim == 2:
+            grid = grid.T
+        return [_tf_device(d) for d in grid.reshape(-1)]
+
     def rule_for(self, path: str) -> str | None:
         """The rule matching `path` by Keras's rule (exact key, else one `re.fullmatch`)."""
         if path in self._axes:
@@ -186,3 +194,12 @@ class LayoutRules:
                 "when every variable exists). A renamed layer would otherwise leave its weights "
                 f"whole on every device (keras-hub#2806). Variables the other rules matched: {seen}."
             )
+
+
+def _tf_device(name) -> str:
+    """Keras's device name (`"cpu:0"`) as TensorFlow's (`"/device:CPU:0"`)."""
+    name = str(name)
+    if name.startswith("/"):
+        return name
+    kind, _, index = name.rpartition(":")
+    return f"/device:{kind.upper()}:{index}"

@@ -31,9 +31,10 @@ from keras_replicator.model_parallel.layout import (
     LayoutRules,
     VariableLayout,
 )
+from keras_replicator.model_parallel.logical_device import logical_device
 from keras_replicator.model_parallel.sharded_variable import DevicePlacement, ShardedVariable
 
-__all__ = ["ModelSharding", "current", "sharded_variables"]
+__all__ = ["ModelSharding", "StrategyPlacement", "current", "sharded_variables"]
 
 # Regularizers whose penalty on the whole tensor is the sum of their penalties on
 # its slices: applying them per shard is exact.
@@ -101,10 +102,7 @@ class ModelSharding:
                  data_axis: str = DATA_AXIS):
         self.rules = LayoutRules(layout_map, model_axis=model_axis, data_axis=data_axis)
         if placement is None:
-            mesh = layout_map.device_mesh
-            row = mesh.devices.reshape(-1, self.rules.model_size) if \
-                list(mesh.axis_names)[-1] == model_axis else mesh.devices.T.reshape(-1, self.rules.model_size)
-            placement = DevicePlacement([_tf_device(d) for d in row[0]])
+            placement = DevicePlacement(self.rules.mesh_devices()[:self.rules.model_size])
         self.placement = placement
 
     @contextlib.contextmanager
@@ -157,6 +155,28 @@ class ModelSharding:
         return variable
 
 
+class StrategyPlacement:
+    """Shard j under a `ReplicatorStrategy`: logical device j of every replica.
+
+    Variables through `strategy.logical_device_for_variables(j)` (mirrored over the
+    replicas), ops through `keras_replicator.logical_device(j)` (the running
+    replica's device j; nothing is placed outside a replica).
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    @property
+    def num_shards(self) -> int:
+        return self.strategy.devices_per_replica
+
+    def variables(self, j: int) -> contextlib.AbstractContextManager:
+        return self.strategy.logical_device_for_variables(j)
+
+    def ops(self, j: int) -> contextlib.AbstractContextManager:
+        return logical_device(j)
+
+
 def _constant(value: tf.Tensor) -> Callable:
     def initializer(shape, dtype=None):
         return tf.identity(value) if dtype is None else tf.cast(value, dtype)
@@ -179,11 +199,3 @@ def _check_shardable(layout: VariableLayout, kwargs: dict) -> None:
             "elements) are exact per shard."
         )
 
-
-def _tf_device(name: str) -> str:
-    """Keras's device name (`"cpu:0"`) as TensorFlow's (`"/device:CPU:0"`)."""
-    name = str(name)
-    if name.startswith("/"):
-        return name
-    kind, _, index = name.rpartition(":")
-    return f"/device:{kind.upper()}:{index}"
