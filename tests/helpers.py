@@ -118,3 +118,14 @@ def assert_chance_agreement(a: np.ndarray, b: np.ndarray, what: str = "") -> Non
     their elements: within 6 standard deviations of 1/2 (identical masks agree on all)."""
     agree = float(np.mean(a == b))
     assert abs(agree - 0.5) < 3.0 / np.sqrt(a.size), f"{what} masks agree on {agree:.3f} of their elements"
+
+
+def committed_backup_metadata(backup_dir) -> dict:
+    """The metadata of the backup a `BackupAndRestore` of keras_replicator's strategies
+    committed last in ``backup_dir`` (`keras_replicator.backup_commits`'s layout)."""
+    import json
+
+    with open(os.path.join(backup_dir, "committed.json")) as f:
+        folder = json.load(f)["backup"]
+    with open(os.path.join(backup_dir, folder, "training_metadata.json")) as f:
+        return json.load(f)

@@ -1,0 +1,13 @@
+"""Model parallelism: a replica that spans several devices (TF-Replicator's logical devices).
+
+One engine, in layers that build on each other:
+
+* `mesh`: the device grid, M replicas x k logical devices (`ReplicaMesh`).
+
+The strategy's side (`ReplicatorStrategy(devices_per_replica=k)`) and the layouts
+(`LayoutMap` rules, sharded variables, the parallel layer rules) land on top of it.
+"""
+
+from keras_replicator.model_parallel.mesh import ReplicaMesh
+
+__all__ = ["ReplicaMesh"]

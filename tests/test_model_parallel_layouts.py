@@ -1,0 +1,195 @@
+"""Keras's LayoutMap over the model axis (issue 41, item 2): shards, the parallel rules, saving.
+
+Every training test compares with the same model on one device, built from the same
+seed (a sharded variable starts as the slices of the one-device initial value),
+trained on the same batches: weights to 1e-5 after several steps.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_replicator as kr
+from keras_replicator._compat import keras_layouts
+from keras_replicator.model_parallel.sharded_variable import ShardedVariable
+from keras_replicator.model_parallel.sharding import ModelSharding
+
+V, T, D, HEADS = 32, 6, 16, 4
+
+
+def mesh(data: int, model: int) -> keras.distribution.DeviceMesh:
+    return keras.distribution.DeviceMesh(
+        (data, model), ["batch", "model"], [f"cpu:{i}" for i in range(data * model)])
+
+
+def mlp_layout(m) -> keras.distribution.LayoutMap:
+    layout_map = keras.distribution.LayoutMap(m)
+    layout_map[".*column/kernel"] = (None, "model")
+    layout_map[".*column/bias"] = ("model",)
+    layout_map[".*row/kernel"] = ("model", None)
+    return layout_map
+
+
+def mlp():
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu", name="column"),
+        keras.layers.Dense(3, name="row"),
+    ])
+
+
+def transformer_layout(m) -> keras.distribution.LayoutMap:
+    layout_map = keras.distribution.LayoutMap(m)
+    layout_map[".*token/embeddings"] = ("model", None)       # by vocabulary
+    layout_map[".*position/embeddings"] = (None, "model")    # by features
+    layout_map[".*mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map[".*mha/(query|key|value)/bias"] = ("model", None)
+    layout_map[".*mha/attention_output/kernel"] = ("model", None, None)
+    layout_map[".*ffn_in/kernel"] = (None, "model")
+    layout_map[".*ffn_out/kernel"] = ("model", None)
+    layout_map[".*logits/kernel"] = (None, "model")
+    return layout_map
+
+
+def transformer():
+    ids = keras.Input((T,), dtype="int32")
+    x = keras.layers.Embedding(V, D, name="token")(ids)
+    x = x + keras.layers.Embedding(T, D, name="position")(keras.ops.arange(T))
+    a = keras.layers.MultiHeadAttention(HEADS, D // HEADS, name="mha")(x, x, use_causal_mask=True)
+    x = keras.layers.LayerNormalization(name="norm")(x + a)
+    f = keras.layers.Dense(32, activation="gelu", name="ffn_in")(x)
+    x = x + keras.layers.Dense(D, name="ffn_out")(f)
+    return keras.Model(ids, keras.layers.Dense(V, name="logits")(x))
+
+
+def data(kind: str, n: int = 24, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+    return rng.integers(0, V, (n, T)), rng.integers(0, V, (n, T))
+
+
+def compiled(model, kind: str, optimizer: str):
+    opt = keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.AdamW(1e-2)
+    loss = "mse" if kind == "mlp" else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(opt, loss, steps_per_execution=3)
+    return model
+
+
+def reference(kind: str):
+    keras.utils.set_random_seed(1)
+    return (mlp if kind == "mlp" else transformer)()
+
+
+def assert_weights_close(model, ref, atol=1e-5):
+    got, want = model.get_weights(), ref.get_weights()
+    assert [w.shape for w in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+def test_one_replica_over_four_devices_trains_as_one_device(kind, monkeypatch):
+    """(1, 4) without a strategy: shards on 4 devices, SGD steps equal one device's."""
+    calls = []
+    by_heads = keras_layouts._attention_by_heads
+    monkeypatch.setattr(keras_layouts, "_attention_by_heads", lambda *a: calls.append(1) or by_heads(*a))
+    layout_map = (mlp_layout if kind == "mlp" else transformer_layout)(mesh(1, 4))
+    sharding = ModelSharding(layout_map)
+    keras.utils.set_random_seed(1)
+    with sharding.scope():
+        model = (mlp if kind == "mlp" else transformer)()
+    sharding.check_all_rules_matched("the test")
+    ref = reference(kind)
+    assert_weights_close(model, ref, atol=0)            # the same initial values
+    shard_devices = {tf.DeviceSpec.from_string(v.value.device).device_index
+                     for v in model.trainable_weights if "_shard" in v.path}
+    assert shard_devices == {0, 1, 2, 3}
+    x, y = data(kind)
+    for m in (model, ref):
+        compiled(m, kind, "sgd").fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    assert calls or kind == "mlp"                       # attention ran by heads
+
+
+def test_any_other_use_gathers_the_whole_tensor():
+    """User code reading a sharded weight (no rule) sees the whole tensor; gradients reach every shard."""
+    layout_map = keras.distribution.LayoutMap(mesh(1, 4))
+    layout_map["custom/w"] = (None, "model")
+
+    class Custom(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 8), name="w")
+
+        def call(self, x):
+            return keras.ops.tanh(x @ self.w) * 2.0
+
+    sharding = ModelSharding(layout_map)
+    with sharding.scope():
+        layer = Custom(name="custom")
+        layer.build((None, 3))
+    assert isinstance(layer.w, ShardedVariable) and len(layer.trainable_weights) == 4
+    whole = keras.Variable(layer.w.numpy())
+    x = tf.constant(np.random.default_rng(0).normal(size=(5, 3)), tf.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x) ** 2)
+    grads = tape.gradient(loss, layer.trainable_weights)
+    with tf.GradientTape() as tape:
+        want = tf.reduce_sum((tf.tanh(x @ whole.value) * 2.0) ** 2)
+    want_grad = tape.gradient(want, whole.value)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate(grads, axis=1), want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_save_sharded_load_on_one_device(tmp_path):
+    """`save_weights` writes the whole tensors: a one-device model loads them, and back."""
+    sharding = ModelSharding(transformer_layout(mesh(1, 4)))
+    keras.utils.set_random_seed(3)
+    with sharding.scope():
+        model = transformer()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    ref = reference("transformer")
+    assert not all(np.array_equal(a, b) for a, b in zip(ref.get_weights(), model.get_weights()))
+    ref.load_weights(path)
+    assert_weights_close(model, ref, atol=0)
+    ref.set_weights([w + 1.0 for w in ref.get_weights()])
+    ref.save_weights(path)
+    model.load_weights(path)
+    assert_weights_close(model, ref, atol=0)
+
+
+def layout_error(layout_map, build, match):
+    sharding = ModelSharding(layout_map)
+    with pytest.raises(kr.errors.LayoutError, match=match):
+        with sharding.scope():
+            build()
+        sharding.check_all_rules_matched("the test")
+
+
+def test_bad_layouts_raise_naming_the_variable_and_the_rule():
+    m = mesh(1, 4)
+    two = keras.distribution.LayoutMap(m)
+    two[".*column/kernel"] = (None, "model")
+    two[".*/kernel"] = ("model", None)
+    layout_error(two, mlp, r"'sequential(_\d+)?/column/kernel' matches 2 LayoutMap rules")
+    odd = keras.distribution.LayoutMap(m)
+    odd[".*row/kernel"] = (None, "model")                     # (16, 3): 3 over 4 devices
+    layout_error(odd, mlp, r"rule '\.\*row/kernel' .* splits dimension 1 .* does not divide 3")
+    renamed = mlp_layout(m)
+    renamed[".*renamed_layer/kernel"] = (None, "model")
+    layout_error(renamed, mlp, r"\['\.\*renamed_layer/kernel'\] match no variable.*checked at the test")
+    rank = keras.distribution.LayoutMap(m)
+    rank[".*column/bias"] = (None, "model")
+    layout_error(rank, mlp, r"has 2 dimensions, but the variable .*column/bias")
+    axis = keras.distribution.LayoutMap(m)
+    with pytest.raises(ValueError, match="Invalid axis names"):    # Keras checks at insertion
+        axis[".*column/kernel"] = (None, "tensor")
+    with pytest.raises(kr.errors.LayoutError, match=r"axes are \['data', 'model'\]"):
+        ModelSharding(keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+            (1, 4), ["data", "model"], [f"cpu:{i}" for i in range(4)])))
+    constrained = keras.distribution.LayoutMap(m)
+    constrained[".*c/kernel"] = (None, "model")
+    layout_error(constrained, lambda: keras.layers.Dense(
+        4, kernel_constraint="max_norm", name="c").build((None, 4)), "has a constraint")
