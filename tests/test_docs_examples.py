@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, python_blocks, run_markdown_example
+from tests.helpers import ROOT, python_blocks, run_markdown_example, run_python
 
 pytestmark = pytest.mark.devices(1)  # each example sets up its own devices in a subprocess
 
@@ -61,6 +61,15 @@ def test_multi_worker_guide_fragments_run_alone():
     run_markdown_example("docs/multi_worker.md", 1)
 
 
+def test_keras_distribution_guide_runs_as_written():
+    # Both blocks in one interpreter: the second (RematScope) then runs under the first's
+    # DataParallel, which the guide says works too.
+    blocks = python_blocks("docs/keras_distribution.md")
+    result = run_python(blocks[0] + "\n" + blocks[1], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remat loss" in result.stdout
+
+
 def test_contributing_and_optimizer_pieces_snippets():
     run_markdown_example("docs/contributing.md", 0)
     result = run_markdown_example("docs/optimizers.md", 2)
@@ -101,7 +110,8 @@ RUN_HERE = {
     ("README.md", 0), ("README.md", 1), ("README.md", 2), ("docs/index.md", 0),
     ("docs/primitives.md", 0), ("docs/contributing.md", 0), ("docs/optimizers.md", 2),
     ("docs/fault_tolerance.md", 0), ("docs/fault_tolerance.md", 1), ("docs/multi_worker.md", 1),
-    ("docs/sngan.md", 0), ("docs/memory.md", 0),
+    ("docs/sngan.md", 0), ("docs/memory.md", 0), ("docs/keras_distribution.md", 0),
+    ("docs/keras_distribution.md", 1),
 }
 
 
