@@ -320,3 +320,49 @@ def test_a_grace_shorter_than_the_save_warns_and_the_relaunched_job_resumes(tmp_
     redone = _redone(_steps(tmp_path))
     assert 1 <= redone <= STEPS, redone  # the steps of epoch 1 done before the SIGTERM, at most
     assert _gap(_job_weights(tmp_path), reference) <= 1e-6
+
+
+def test_the_launchers_grace_grows_to_fit_the_recorded_save_or_warns(tmp_path):
+    from keras_replicator.atomic_files import SAVE_RECORD_ENV, record_save
+    from keras_replicator.launch.environment import SAVE_RECORD_ENV as LAUNCHER_NAME
+    from keras_replicator.launch.grace import SaveRecordWatch, grace_for
+
+    assert SAVE_RECORD_ENV == LAUNCHER_NAME
+    assert (grace_for(7.4), grace_for(7.4, step_seconds=0.5), grace_for(0)) == (20, 21, 5)
+    path = str(tmp_path / "save.json")
+    said = []
+    default, given = SaveRecordWatch(path, None, said.append), SaveRecordWatch(path, 10, said.append)
+    default.poll()
+    assert (default.grace, said) == (5.0, [])  # nothing recorded yet
+    os.environ[SAVE_RECORD_ENV] = path
+    try:
+        record_save(7.4, 189_000_000)  # what the chief does after each commit
+    finally:
+        del os.environ[SAVE_RECORD_ENV]
+    default.poll()
+    given.poll()
+    given.poll()
+    assert default.grace == 20.0 and given.grace == 10.0
+    assert said == ["the last backup took 7.4 s to save: the grace before SIGKILL is now 20 s (2 x the save + 5 s; "
+                    "--grace sets it)",
+                    "the last backup took 7.4 s to save: --grace 10 s is shorter than the rule's 20 s (2 x the save "
+                    "+ 5 s); a SIGTERM's save may be killed midway (the restart then resumes from the backup before "
+                    "it). Give --grace 20 or more."]  # once
+
+
+def test_k8s_sets_termination_grace_from_a_step_and_a_save_and_says_how():
+    import yaml
+
+    from keras_replicator.launch import k8s_manifest
+
+    for kind, pods in (("jobset", lambda d: [r["template"]["spec"]["template"]["spec"]
+                                             for r in d[0]["spec"]["replicatedJobs"]]),
+                       ("tfjob", lambda d: [r["template"]["spec"] for r in d[0]["spec"]["tfReplicaSpecs"].values()])):
+        text = k8s_manifest("train.py", workers=2, image="train:1", kind=kind, save_seconds=7.4, step_seconds=0.5)
+        assert text.startswith("# terminationGracePeriodSeconds: 21 s = 2 x (a step 0.5 s + a backup save 7.4 s) "
+                               "+ 5 s"), text[:300]
+        assert [p["terminationGracePeriodSeconds"] for p in pods(list(yaml.safe_load_all(text)))] == [21], kind
+    text = k8s_manifest("train.py", workers=2, image="train:1", grace=120)
+    assert text.startswith("# terminationGracePeriodSeconds: 120 s, as given (--grace)")
+    with pytest.raises(ValueError, match="save_seconds"):
+        k8s_manifest("train.py", workers=2, image="train:1", save_seconds=-1)

@@ -100,6 +100,7 @@ RUN_ELSEWHERE = {
     ("docs/kerashub.md", 0): "tests/test_kerashub.py",
     ("docs/kerashub.md", 1): "tests/test_kerashub.py",
     ("docs/kubernetes.md", 0): "tests/test_kubernetes.py",
+    ("docs/model_parallel.md", 0): "tests/test_model_parallel_devices.py",
     ("docs/multi_worker.md", 0): "tests/test_multi_worker.py",
     ("docs/optimizers.md", 0): "tests/test_optimizers.py",
     ("docs/optimizers.md", 1): "tests/test_optimizers.py",

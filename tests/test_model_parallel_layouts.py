@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._compat import keras_layouts
+from keras_replicator.model_parallel.memory import training_bytes_per_device
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 from keras_replicator.model_parallel.sharding import ModelSharding
 
@@ -82,6 +83,25 @@ def reference(kind: str):
     return (mlp if kind == "mlp" else transformer)()
 
 
+def by_index(per_device: dict) -> dict:
+    return {tf.DeviceSpec.from_string(d).device_index: b for d, b in per_device.items()}
+
+
+def assert_bytes_per_device(model, k: int, slots: int) -> None:
+    """Shard j of each sharded weight (and of its gradient and slots) on device j, the rest on 0."""
+    sharded = sum(np.prod(v.shape) * 4 for v in model.weights if "_shard" in v.path)
+    whole = sum(np.prod(v.shape) * 4 for v in model.weights) - sharded
+    trainable_whole = sum(np.prod(v.shape) * 4 for v in model.trainable_weights) - sharded
+    parts = {name: by_index(part) for name, part in training_bytes_per_device(model).items()}
+    assert sharded > 0
+    assert parts["weights"] == {0: sharded // k + whole, **{j: sharded // k for j in range(1, k)}}
+    assert parts["gradients"] == {0: sharded // k + trainable_whole,
+                                  **{j: sharded // k for j in range(1, k)}}
+    assert {j: parts["optimizer"].get(j, 0) for j in range(1, k)} == {
+        j: slots * sharded // k for j in range(1, k)}
+    assert parts["optimizer"][0] - slots * (sharded // k + trainable_whole) in (12, 16)   # counters
+
+
 def assert_weights_close(model, ref, atol=1e-5):
     got, want = model.get_weights(), ref.get_weights()
     assert [w.shape for w in got] == [w.shape for w in want]
@@ -89,9 +109,9 @@ def assert_weights_close(model, ref, atol=1e-5):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
-def test_one_replica_over_four_devices_trains_as_one_device(kind, monkeypatch):
-    """(1, 4) without a strategy: shards on 4 devices, SGD steps equal one device's."""
+@pytest.mark.parametrize("kind,optimizer", [("mlp", "sgd"), ("transformer", "adamw")])
+def test_one_replica_over_four_devices_trains_as_one_device(kind, optimizer, monkeypatch):
+    """(1, 4) without a strategy: shards on 4 devices, steps equal one device's; bytes per device."""
     calls = []
     by_heads = keras_layouts._attention_by_heads
     monkeypatch.setattr(keras_layouts, "_attention_by_heads", lambda *a: calls.append(1) or by_heads(*a))
@@ -108,9 +128,10 @@ def test_one_replica_over_four_devices_trains_as_one_device(kind, monkeypatch):
     assert shard_devices == {0, 1, 2, 3}
     x, y = data(kind)
     for m in (model, ref):
-        compiled(m, kind, "sgd").fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        compiled(m, kind, optimizer).fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
     assert calls or kind == "mlp"                       # attention ran by heads
+    assert_bytes_per_device(model, 4, slots=0 if optimizer == "sgd" else 2)
 
 
 def test_any_other_use_gathers_the_whole_tensor():
@@ -193,3 +214,42 @@ def test_bad_layouts_raise_naming_the_variable_and_the_rule():
     constrained[".*c/kernel"] = (None, "model")
     layout_error(constrained, lambda: keras.layers.Dense(
         4, kernel_constraint="max_norm", name="c").build((None, 4)), "has a constraint")
+
+
+def test_kerashub_gemma_with_its_own_layout_map():
+    """GemmaBackbone.get_layout_map(mesh) unchanged: AdamW fine-tuning and greedy generate as one device."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from tests import hub_models as hub
+
+    proto = hub.gemma_proto()
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=proto)
+
+    def gemma():
+        keras.utils.set_random_seed(1)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=-(-tokenizer.vocabulary_size() // 4) * 4,   # rows split over 4 devices
+            num_layers=2, num_query_heads=4, num_key_value_heads=4, hidden_dim=16,
+            intermediate_dim=32, head_dim=8, dropout=0.0)
+        preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=hub.SEQUENCE_LENGTH)
+        model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=preprocessor)
+        hub.compile_causal_lm(model, optimizer=keras.optimizers.AdamW(1e-2))
+        return model
+
+    sharding = ModelSharding(keras_hub.models.GemmaBackbone.get_layout_map(mesh(1, 4)))
+    with sharding.scope():
+        model = gemma()
+    sharding.check_all_rules_matched("the test")
+    ref = gemma()
+    assert len(model.trainable_weights) > len(ref.trainable_weights)    # sharded
+    # Tokenized before fit (KerasHub 0.32's SentencePiece resource inside fit's tf.data: test_kerashub).
+    x, y, sample_weight = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, hub.SEQUENCE_LENGTH)(hub.TEXT)
+    losses = []
+    for m in (model, ref):
+        preprocessor, m.preprocessor = m.preprocessor, None
+        losses.append(m.fit(x, y, sample_weight=sample_weight, **hub.FIT).history["loss"])
+        m.preprocessor = preprocessor
+    np.testing.assert_allclose(losses[0], losses[1], atol=1e-5)
+    assert losses[1][-1] < losses[1][0]
+    assert_weights_close(model, ref)
+    prompts = dict(inputs=hub.PROMPTS, max_length=hub.SEQUENCE_LENGTH, stop_token_ids=None)
+    assert list(model.generate(**prompts)) == list(ref.generate(**prompts))

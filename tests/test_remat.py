@@ -94,6 +94,28 @@ def test_remat_scope_under_the_strategy_trains_as_one_device(trace_once, referen
     assert_same_run(train(remat={"mode": "full"}, strategy=strategy), reference)
 
 
+def test_attention_under_remat_gets_its_keyword_tensors_gradients():
+    """`MultiHeadAttention(query, value=..., key=...)`: tensors passed by keyword, differentiated."""
+    sequences = np.random.default_rng(2).normal(size=(32, 6, 8)).astype("float32")
+    targets = np.random.default_rng(3).normal(size=(32, 6, 8)).astype("float32")
+    weights = []
+    for remat in (None, {"mode": "full"}):
+        keras.utils.set_random_seed(4)
+        with keras.RematScope(**remat) if remat else contextlib.nullcontext():
+            project = keras.layers.Dense(8)
+            attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+        inputs = keras.Input((6, 8))
+        context = project(inputs)
+        model = keras.Model(inputs, attention(inputs, value=context, key=context))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(sequences, targets, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    # `project` learns only through `value=` and `key=`: a lost keyword gradient would leave it
+    # where it started under remat, and moved without.
+    for weight, ref in zip(weights[1], weights[0], strict=True):
+        np.testing.assert_allclose(weight, ref, atol=1e-6)
+
+
 class DenseDropout(keras.layers.Layer):
     """Dense then Dropout(0.5) in one layer: its recomputation must draw the forward's mask."""
 

@@ -27,6 +27,7 @@ installed version is outside the range a module was checked on.
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
+| `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
 | `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it) | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
@@ -90,6 +91,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
     "keras_remat": ("keras", "3.15", "3.15"),
     "keras_distribution": ("keras", "3.15", "3.15"),
+    "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
 }
 
 
@@ -139,6 +141,7 @@ def _permanent():
         keras_xla,
         multi_device_iterator,
         patching,
+        tape_gradient_device,
     )
 
     return patching.Patches([
@@ -153,6 +156,8 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
+        # A replica over several devices: each gradient built on its forward op's device.
+        *tape_gradient_device.PATCHES,
         # LayoutMap shards: the parallel layer rules and the unsharded saving.
         *keras_layouts.PATCHES,
     ])

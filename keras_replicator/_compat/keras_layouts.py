@@ -11,6 +11,9 @@ Patches (checked on Keras 3.15):
   (`model_parallel.parallel_layers`); `MultiHeadAttention` by heads when its
   Q/K/V kernels are split on the heads and its output kernel on its heads input.
   Other layers, and these with LoRA, quantization or a gate, use the whole tensor.
+* `TFOptimizer.add_variable_from_reference`, installed: a shard's slots are made
+  under its placement (a strategy colocates them anyway; eagerly without one, a
+  colocation is ignored).
 * `Layer.get_weights`, `set_weights`, `save_own_variables`,
   `load_own_variables`, `_check_load_own_variables`, installed: while they run,
   the layers' variable lists (`_trainable_variables`, `_non_trainable_variables`)
@@ -35,6 +38,7 @@ from collections.abc import Iterator
 import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common.name_scope import current_path
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.layers import Layer as _Layer
 
 from keras_replicator._compat.patching import Patches, ScopedPatch
@@ -222,6 +226,20 @@ def whole_variables(root) -> Iterator[None]:
             layer.__dict__[attribute] = before
 
 
+def _slot_beside_shard(original):
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        home = sharding.shard_home(reference_variable)
+        if home is None:
+            return original(self, reference_variable, *args, **kwargs)
+        placement, j = home
+        # TensorFlow's strategies colocate a slot with its variable; without one,
+        # an eager colocation is ignored, so the shard's device is set here too.
+        with placement.variables(j):
+            return original(self, reference_variable, *args, **kwargs)
+
+    return add_variable_from_reference
+
+
 def _whole(original):
     def method(self, *args, **kwargs):
         with whole_variables(self):
@@ -237,6 +255,7 @@ PATCHES = [
     ScopedPatch(keras.layers.EinsumDense, "call", _einsum_dense_call),
     ScopedPatch(keras.layers.Embedding, "call", _embedding_call),
     ScopedPatch(keras.layers.MultiHeadAttention, "call", _attention_call),
+    ScopedPatch(TFOptimizer, "add_variable_from_reference", _slot_beside_shard),
     *(ScopedPatch(_Layer, name, _whole) for name in (
         "get_weights", "set_weights", "save_own_variables", "load_own_variables",
         "_check_load_own_variables")),

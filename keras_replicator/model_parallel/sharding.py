@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,16 @@ _stack: list[ModelSharding] = []
 _stack_lock = threading.Lock()
 # Set once any variable was sharded: the saving patches skip walking models before.
 created_any = threading.Event()
+# id(shard) -> (weak reference to it, its placement, its logical device).
+_homes: dict[int, tuple] = {}
+
+
+def shard_home(variable) -> tuple[Any, int] | None:
+    """`(placement, j)` of a shard variable (its logical device j), else `None`."""
+    home = _homes.get(id(variable))
+    if home is None or home[0]() is not variable:
+        return None
+    return home[1], home[2]
 
 
 def current() -> ModelSharding | None:
@@ -139,6 +150,7 @@ class ModelSharding:
                                 initializer=_constant(part))
             with self.placement.variables(j):
                 shards.append(add_weight(layer, **shard_kwargs))
+            _homes[id(shards[-1])] = (weakref.ref(shards[-1]), self.placement, j)
         variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
         layer.__dict__.setdefault("_kr_sharded_variables", []).append(variable)
         created_any.set()
