@@ -58,7 +58,8 @@ bench-d4pg: $(STAMP)
 	$(PY) -m benchmarks.d4pg
 
 # The SN-GAN large-batch study (docs/sngan_large_batch.md): global batch 32, 128, 256 on digits.
-# About 20 minutes on 2 cores; rerunning reuses the finished runs in runs/sngan_batch_size.
+# Each run's wall time is in benchmarks/results/sngan_batch_size.md; rerunning reuses the finished
+# runs in runs/sngan_batch_size.
 bench-sngan: $(STAMP)
 	$(PY) -m benchmarks.sngan_batch_size
 
