@@ -39,13 +39,17 @@ notebooks: $(STAMP)
 # the small SN-GAN on 4 devices, all-reduce, batch norm, two workers); time to the first step
 # against replicas (ResNet-50, SN-GAN on 1, 2, 4, 8); then the asynchronous regime (2 workers + 1 ps
 # against the synchronous strategy, with and without a straggler), D4PG's actors and learner, and
-# the optimizer state sharded against unsharded (bytes per device, peak RSS, step time).
+# the optimizer state sharded against unsharded (bytes per device, peak RSS, step time); peak RSS
+# with and without keras.RematScope.
 bench: $(STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.first_step
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 	$(PY) -m benchmarks.memory
+	$(PY) -m benchmarks.backup_soak --cost --json benchmarks/results/backup_cost.json
+	$(PY) -m benchmarks.backup_soak --kills 50 --json benchmarks/results/backup_soak.json
+	$(PY) -m benchmarks.remat_memory
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
@@ -54,7 +58,8 @@ bench-d4pg: $(STAMP)
 	$(PY) -m benchmarks.d4pg
 
 # The SN-GAN large-batch study (docs/sngan_large_batch.md): global batch 32, 128, 256 on digits.
-# About 20 minutes on 2 cores; rerunning reuses the finished runs in runs/sngan_batch_size.
+# Each run's wall time is in benchmarks/results/sngan_batch_size.md; rerunning reuses the finished
+# runs in runs/sngan_batch_size.
 bench-sngan: $(STAMP)
 	$(PY) -m benchmarks.sngan_batch_size
 

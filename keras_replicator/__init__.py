@@ -52,7 +52,10 @@ if _COMMAND_LINE:
         return globals()[name]
 
 else:
-    from keras_replicator import _api
+    from keras_replicator import _api, _compat
     from keras_replicator._api import *  # noqa: F403
 
     __all__ = _api.__all__
+    # The one patch an import makes: Keras's own API that fails or is ignored on
+    # TensorFlow without it (keras.RematScope, keras.distribution.set_distribution).
+    _compat.install_keras_api()

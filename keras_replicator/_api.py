@@ -7,7 +7,9 @@ from keras_replicator import (
     cross_device_ops,
     data,
     errors,
+    keras_distribution,
     layers,
+    model_parallel,
     optimizers,
     resume,
     schedules,
@@ -29,6 +31,7 @@ from keras_replicator.errors import (
     DeviceConfigurationError,
     WorkerLostError,
 )
+from keras_replicator.model_parallel import logical_device
 from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.saving import save_model
 from keras_replicator.strategy import ReplicatorStrategy
@@ -55,8 +58,11 @@ __all__ = [
     "cross_device_ops",
     "data",
     "errors",
+    "keras_distribution",
     "layers",
     "local_devices",
+    "logical_device",
+    "model_parallel",
     "num_replicas",
     "optimizers",
     "replica_id",

@@ -132,7 +132,8 @@ def test_info_reports_versions_patch_ranges_and_devices():
 def _every_patch():
     from keras_replicator._compat import parameter_server
 
-    sets = [*_compat.installed_patches(), _compat._strategy_scope(), parameter_server.ATOMIC_UPDATES]
+    sets = [*_compat.installed_patches(), _compat._strategy_scope(), parameter_server.ATOMIC_UPDATES,
+            _compat.keras_api_patches()]
     return [patch for patches in sets for patch in patches.patches]
 
 
@@ -203,8 +204,26 @@ def test_patch_scopes_are_reentrant_and_thread_safe():
     assert Child().method() == "original" and "method" not in vars(Child)  # inherited again
 
 
+def test_the_keras_api_set_is_undone_exactly():
+    patches = _compat.keras_api_patches().patches
+    _compat.uninstall_keras_api()
+    try:
+        before = _snapshot(patches)
+        assert not any(p.applied for p in patches)
+        _compat.install_keras_api()
+        assert all(p.applied for p in patches)
+        _compat.uninstall_keras_api()
+        after = _snapshot(patches)
+        for key, (own, value, _) in before.items():
+            assert after[key][0] == own and after[key][1] is value, f"{key} not restored exactly"
+    finally:
+        _compat.install_keras_api()
+
+
 def test_importing_the_package_patches_nothing():
-    """No patch is a side effect of an import: only strategies (and CrossReplicaOptimizer) install."""
+    """No patch is a side effect of an import, but the package's Keras-API set: strategies (and
+    CrossReplicaOptimizer) install the rest; `import keras_replicator` installs only
+    `_compat.keras_api_patches()` (Keras's own API that fails or is ignored on TensorFlow)."""
     import subprocess
     import sys
 
@@ -214,7 +233,8 @@ def test_importing_the_package_patches_nothing():
         "    importlib.import_module('keras_replicator._compat.' + m.name)\n"
         "import keras_replicator.optimizers\n"
         "from keras_replicator._compat import patching\n"
-        "assert not patching._applied, sorted(p.name for p in patching._applied.values())\n"
+        "expected = {(id(p.owner), p.name) for p in c.keras_api_patches().patches}\n"
+        "assert set(patching._applied) == expected, sorted(p.name for p in patching._applied.values())\n"
         "print('clean')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -246,6 +246,11 @@ def register_strategy(strategy) -> None:
     _strategies.add(strategy)
 
 
+def unregister_strategy(strategy) -> None:
+    """Forgets `strategy` (a Keras distribution's, once unset: plain Keras again, no warning)."""
+    _strategies.discard(strategy)
+
+
 def _distributed_by(data):
     """The strategy that distributed `data`, if it is a distributed dataset."""
     if isinstance(data, tf.distribute.DistributedDataset):

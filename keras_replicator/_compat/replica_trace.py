@@ -544,6 +544,8 @@ def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launch
     """The replica step on every replica: traced once where it can be, else per replica."""
     if launchers and not getattr(_nested, "depth", 0):
         collective_launcher.align_execution_counters(launchers)
+        for group in getattr(extended, "logical_device_launchers", lambda: ())():
+            collective_launcher.align_execution_counters(group)  # a replica's other devices' groups
     _nested.depth = getattr(_nested, "depth", 0) + 1
     try:
         return _call_for_each_replica(extended, fn, args, kwargs, registry, launchers)
@@ -582,6 +584,10 @@ def _why_per_replica(extended, launchers) -> str | None:
     if launchers is None:
         name = type(getattr(extended, "cross_device_ops", None)).__name__
         return f"its all-reduce ({name}, as chosen) goes through merge_call"
+    k = getattr(extended, "devices_per_replica", 1)
+    if k > 1:
+        # One trace would fix replica 0's logical devices in every replica's call.
+        return f"a replica spans {k} devices (devices_per_replica={k}): ops are placed per replica"
     if getattr(extended._container_strategy(), "shard_optimizer_state", False):
         return "the optimizer state is sharded (each owner updates its own variables)"
     if extended.is_tracing_once:

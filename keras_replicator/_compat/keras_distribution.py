@@ -1,0 +1,84 @@
+"""`keras.distribution.set_distribution` on TensorFlow: a `DataParallel` runs on `ReplicatorStrategy`.
+
+Patches `set_distribution` where Keras defines it
+(`keras/src/distribution/distribution_lib.py`, which its `Distribution.scope()`
+also calls) and where Keras's public API binds it (`keras.distribution`,
+`keras.src.distribution`, and `keras._tf_keras.keras.distribution`). Installed
+when `keras_replicator` is imported (and by every strategy), with the Keras-API
+set of `_compat`; it acts only when called, and then only for the distribution
+it is given. Checked on Keras 3.15 with TF 2.21.
+
+Why: on TensorFlow Keras only stores the distribution (a per-thread global);
+nothing reads it to place variables or to replicate `fit` (only the JAX backend
+calls `get_variable_layout`; `backend/tensorflow/distribution_lib.py` is a
+prototype whose `distribute_value` is a `TODO`). A script written for JAX's
+`DataParallel` trains on one device, and a `ModelParallel`'s layouts are
+ignored, silently.
+
+How: the replacement checks the distribution first (`keras_replicator.
+keras_distribution`: errors for what it cannot run, before Keras's setting
+changes), calls Keras's `set_distribution`, then enters (or leaves) the calling
+thread's scope of the `ReplicatorStrategy` over the distribution's devices:
+Keras's TensorFlow trainer takes the strategy in scope when a model is made, and
+variables made in the scope are mirrored, as with `with strategy.scope():`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from keras_replicator._compat import patching
+from keras_replicator._compat.patching import ScopedPatch
+
+# Every module that binds Keras's `set_distribution`, the defining one first.
+_MODULES = (
+    "keras.src.distribution.distribution_lib",
+    "keras.src.distribution",
+    "keras.distribution",
+    "keras._tf_keras.keras.distribution",
+)
+
+
+def _replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(original)
+    def set_distribution(value: Any) -> None:
+        from keras_replicator import keras_distribution
+
+        # Keras's own function, whichever module's binding was called.
+        keras_distribution.follow(value, _keras_set_distribution())
+
+    return set_distribution
+
+
+def _keras_set_distribution() -> Callable[[Any], None]:
+    """Keras's own `set_distribution`, patched or not."""
+    return patching.original(importlib.import_module(_MODULES[0]), "set_distribution")
+
+
+def follow_current() -> None:
+    """Follows the distribution Keras already holds (one set before the patch was installed)."""
+    import keras
+
+    current = keras.distribution.distribution()
+    if current is not None:
+        from keras_replicator import keras_distribution
+
+        keras_distribution.follow(current, _keras_set_distribution())
+
+
+def _patches() -> list[ScopedPatch]:
+    patches = []
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # keras._tf_keras is optional in some builds
+            continue
+        if hasattr(module, "set_distribution"):
+            patches.append(ScopedPatch(module, "set_distribution", _replacement))
+    return patches
+
+
+PATCHES = _patches()
