@@ -347,6 +347,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         its copies, so they stay equal. An optimizer's slots follow their
         variable. Keras makes a layer's variables when the layer is built: build
         it in the context. Outside the context variables live on logical device 0.
+        Enter it inside `scope` (a `RuntimeError` says so otherwise: outside the
+        scope variables are TensorFlow's plain ones).
 
         Example:
             ```python

@@ -149,6 +149,9 @@ def test_bad_arguments():
     strategy = kr.ReplicatorStrategy(["/cpu:0", "/cpu:1"], devices_per_replica=2)
     with pytest.raises(kr.errors.ArgumentError, match="logical_device"):
         strategy.logical_device_for_variables(2)
+    with pytest.raises(RuntimeError, match="inside `with strategy.scope"):
+        with strategy.logical_device_for_variables(1):
+            pass
 
     @tf.function
     def step():

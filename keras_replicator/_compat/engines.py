@@ -174,6 +174,13 @@ class _LogicalDevices:
     @contextlib.contextmanager
     def logical_device_for_variables(self, index: int):
         index = self.check_logical_device(index)
+        strategy = self._container_strategy()
+        if not tf.distribute.has_strategy() or tf.distribute.get_strategy() is not strategy:
+            # Outside the scope, variables are TensorFlow's plain ones, on the default device.
+            raise RuntimeError(
+                "logical_device_for_variables() places the variables made in the strategy's scope: "
+                "enter it inside `with strategy.scope():`."
+            )
         self._kr_variable_device.append(index)
         try:
             yield
