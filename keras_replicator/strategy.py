@@ -30,7 +30,13 @@ import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster, data
 from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
-from keras_replicator._validation import check_bool, check_choice, check_int, check_number
+from keras_replicator._validation import (
+    ArgumentError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 from keras_replicator.cross_device_ops import default_cross_device_ops
 from keras_replicator.model_parallel.mesh import ReplicaMesh
 
@@ -103,6 +109,14 @@ def _local_device_names(devices) -> list[str] | None:
     if len(set(out)) != len(out):
         raise ValueError(f"devices has duplicates: {names}")
     return out
+
+
+def _check_divides(devices_per_replica: int, devices: list[str]) -> None:
+    if len(devices) % devices_per_replica:
+        raise ArgumentError(
+            f"devices_per_replica={devices_per_replica} must divide the number of local devices, "
+            f"{len(devices)} ({devices}): each replica spans exactly {devices_per_replica} devices."
+        )
 
 
 class _ScopeWithPatches:
@@ -269,10 +283,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                     "cross_device_ops applies to one machine; in a multi-worker job choose "
                     'communication="ring" or "nccl" instead.'
                 )
+            local_names = _local_device_names(devices)
+            if local_names is not None:
+                _check_divides(devices_per_replica, local_names)  # else checked once the worker's devices are known
             extended = engines.ReplicatorMultiWorkerExtended(
                 self,
                 resolver,
-                devices=_local_device_names(devices),
+                devices=local_names,
                 communication=implementation,
                 failure_timeout=failure_timeout,
                 startup_timeout=startup_timeout,
@@ -281,6 +298,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             )
         else:
             device_names = _normalise_devices(devices)
+            _check_divides(devices_per_replica, device_names)
             chosen = cross_device_ops is not None
             if cross_device_ops is None and communication == "auto":
                 cross_device_ops = default_cross_device_ops(device_names)

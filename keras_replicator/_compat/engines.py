@@ -192,8 +192,8 @@ class _LogicalDevices:
 
         Why: TensorFlow's collective runs on the replicas' logical devices 0; the
         gradients of a variable on logical device j would be copied there and back.
-        Only where the step's all-reduce is a collective (several workers, GPUs,
-        `communication=`); made now, in the same order on every worker, so that the
+        Only where the step's all-reduce is a collective (several workers, or
+        `communication=` on one machine); made now, in the same order on every worker, so that the
         group keys agree.
         """
         self._kr_logical_ops: dict[int, tf_cross_device_ops.CollectiveAllReduce] = {}
