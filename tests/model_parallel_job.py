@@ -36,11 +36,12 @@ OPTIMIZERS = {
 }
 
 
+@keras.saving.register_keras_serializable(package="keras_replicator_tests")
 class TwoStage(keras.Model):
     """Stage 1 on logical device 0, stage 2 on logical device 1 (`kr.logical_device`)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.stage1 = keras.layers.Dense(16, activation="tanh")
         self.stage2 = keras.layers.Dense(3)
         self.seen = []  # where stage 2 ran, one entry per trace of a replica

@@ -149,6 +149,9 @@ def test_bad_arguments():
     strategy = kr.ReplicatorStrategy(["/cpu:0", "/cpu:1"], devices_per_replica=2)
     with pytest.raises(kr.errors.ArgumentError, match="logical_device"):
         strategy.logical_device_for_variables(2)
+    with pytest.raises(RuntimeError, match="inside `with strategy.scope"):
+        with strategy.logical_device_for_variables(1):
+            pass
 
     @tf.function
     def step():
@@ -233,6 +236,15 @@ def test_checkpoint_from_a_mesh_continues_on_another_mesh_and_on_one_device(stra
     path = str(tmp_path / "one.weights.h5")
     fit(None, "adamw", epochs=1).save_weights(path)
     assert kr.testing.max_weight_difference(resumed(strategy, path), uninterrupted) <= 1e-5
+
+
+def test_saved_model_from_a_mesh_loads_and_trains_on_one_device(strategy, tmp_path):
+    uninterrupted = fit(None, "adamw", epochs=2)
+    path = str(tmp_path / "half.keras")
+    fit(strategy, "adamw", epochs=1).save(path)  # 2 replicas x 2 devices, with AdamW's state
+    loaded = keras.models.load_model(path)
+    loaded.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert kr.testing.max_weight_difference(loaded, uninterrupted) <= 1e-5
 
 
 class _StopAfterEpoch(keras.callbacks.Callback):

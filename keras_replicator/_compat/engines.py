@@ -174,6 +174,13 @@ class _LogicalDevices:
     @contextlib.contextmanager
     def logical_device_for_variables(self, index: int):
         index = self.check_logical_device(index)
+        strategy = self._container_strategy()
+        if not tf.distribute.has_strategy() or tf.distribute.get_strategy() is not strategy:
+            # Outside the scope, variables are TensorFlow's plain ones, on the default device.
+            raise RuntimeError(
+                "logical_device_for_variables() places the variables made in the strategy's scope: "
+                "enter it inside `with strategy.scope():`."
+            )
         self._kr_variable_device.append(index)
         try:
             yield
@@ -185,8 +192,8 @@ class _LogicalDevices:
 
         Why: TensorFlow's collective runs on the replicas' logical devices 0; the
         gradients of a variable on logical device j would be copied there and back.
-        Only where the step's all-reduce is a collective (several workers, GPUs,
-        `communication=`); made now, in the same order on every worker, so that the
+        Only where the step's all-reduce is a collective (several workers, or
+        `communication=` on one machine); made now, in the same order on every worker, so that the
         group keys agree.
         """
         self._kr_logical_ops: dict[int, tf_cross_device_ops.CollectiveAllReduce] = {}
