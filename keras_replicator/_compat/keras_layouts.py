@@ -89,6 +89,8 @@ def _sharded(layer, attribute: str) -> ShardedVariable | None:
         return None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return None
+    if getattr(value, "data_axis", None) is not None:
+        return None  # also split over the replicas (FSDP): the rules would read a slice; use it gathered
     return value
 
 

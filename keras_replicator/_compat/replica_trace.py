@@ -161,6 +161,11 @@ class ComponentRegistry:
         variable = self._by_handle[id(handle)][0]() if components is not None else None
         return variable is not None and variable.synchronization == tf.VariableSynchronization.ON_READ
 
+    def replica_slices(self, handle) -> bool:
+        """Whether `handle`'s variable holds a different slice on each replica (FSDP)."""
+        entry = self._by_handle.get(id(handle))
+        return entry is not None and getattr(entry[0](), "_kr_replica_slices", False)
+
     def components(self, handle) -> tuple | None:
         """The components of the variable `handle` is replica 0's component of, else None."""
         entry = self._by_handle.get(id(handle))
@@ -389,7 +394,7 @@ def _shared_capture(registry: ComponentRegistry, launchers, devices) -> Callable
     def shared(tensor) -> bool:
         if id(tensor) in per_replica_state:
             return False
-        return not registry.on_read(tensor)
+        return not registry.on_read(tensor) and not registry.replica_slices(tensor)
 
     return shared
 

@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator.errors import LayoutError
+from keras_replicator.model_parallel import fsdp
 from keras_replicator.model_parallel.layout import (
     DATA_AXIS,
     MODEL_AXIS,
@@ -129,7 +130,8 @@ class ModelSharding:
         """`layer.add_weight(**kwargs)` under the layouts: a variable or a `ShardedVariable`."""
         shape = tuple(int(d) for d in kwargs.get("shape") or ())
         layout = self.rules.resolve(path, shape)
-        if layout is None or not layout.sharded:
+        replica_dim = fsdp.data_dim(layout, self.rules, self.placement)  # FSDP: split over the replicas
+        if layout is None or not (layout.sharded or replica_dim is not None):
             return add_weight(layer, **kwargs)
         _check_shardable(layout, kwargs)
         dtype = kwargs.get("dtype") or layer.variable_dtype
@@ -140,16 +142,26 @@ class ModelSharding:
         with tf.init_scope():
             # The whole variable's initial value, once (its fans, its seed): shard j
             # starts as its j-th slice, as the one-device model's weight would.
-            slices = tf.split(initializer(shape, dtype=dtype), layout.num_shards, axis=layout.model_dim)
+            whole = initializer(shape, dtype=dtype)
+            slices = tf.split(whole, layout.num_shards, axis=layout.model_dim) if layout.sharded else [whole]
         name = kwargs.get("name") or path.rsplit("/", 1)[-1]
         shards = []
         for j, part in enumerate(slices):
-            shard_kwargs = dict(kwargs, shape=tuple(part.shape), dtype=dtype, name=f"{name}_shard{j}",
-                                initializer=_constant(part))
+            # FSDP: every copy is made as replica 0's slice, then given its own.
+            first = part if replica_dim is None else fsdp.split_over_replicas(part, replica_dim, self.rules.data_size)[0]
+            shard_kwargs = dict(kwargs, shape=tuple(first.shape), dtype=dtype,
+                                name=f"{name}_shard{j}" if layout.sharded else name, initializer=_constant(first))
             with self.placement.variables(j):
                 shards.append(add_weight(layer, **shard_kwargs))
+            if replica_dim is not None:
+                with tf.init_scope():
+                    fsdp.assign_replica_slices(shards[-1], part, replica_dim)
+                fsdp.mark_replica_slices(shards[-1])
             _homes[id(shards[-1])] = (weakref.ref(shards[-1]), self.placement, j)
-        variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
+        if replica_dim is None:
+            variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
+        else:
+            variable = fsdp.ReplicaShardedVariable(shards, layout.model_dim, replica_dim, path, self.placement)
         layer.__dict__.setdefault("_kr_sharded_variables", []).append(variable)
         created_any.set()
         return variable

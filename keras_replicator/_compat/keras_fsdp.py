@@ -1,0 +1,34 @@
+"""Keras's optimizer on variables split over the replicas (FSDP, `model_parallel.fsdp`).
+
+`TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow.optimizer;
+checked on Keras 3.15), installed, acting only on the variables
+`fsdp.replica_slices` marks: their gradient comes out of `all_gather`'s gradient
+already summed over the replicas and cut to the replica's slice (the
+reduce-scatter), so it is passed through; the other variables' gradients are
+all-reduced by Keras's own method, as before. An optimizer whose instance
+overrides the method (`CrossReplicaOptimizer`'s inner one) is not affected.
+"""
+
+from __future__ import annotations
+
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+from keras_replicator._compat.patching import ScopedPatch
+from keras_replicator.model_parallel import fsdp
+
+
+def _skip_replica_slices(original):
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        split = [fsdp.replica_slices(v) for _, v in grads_and_vars]
+        if not any(split):
+            return original(self, grads_and_vars)
+        if all(split):
+            return grads_and_vars
+        reduced = iter(original(self, [gv for gv, s in zip(grads_and_vars, split) if not s]))
+        return [gv if s else next(reduced) for gv, s in zip(grads_and_vars, split)]
+
+    return _all_reduce_sum_gradients
+
+
+PATCHES = (ScopedPatch(TFOptimizer, "_all_reduce_sum_gradients", _skip_replica_slices),)

@@ -1,0 +1,198 @@
+"""The data axis of a layout: a variable sharded over the M replicas (FSDP / ZeRO-3).
+
+A layout naming the data axis (`batch`) on dimension d, alone (`("batch", None)`)
+or with the model axis (`("model", "batch", None)`, KerasHub's Q/K/V kernels),
+stores the variable as slices over the replicas: each of its Keras (shard)
+variables is mirrored, but copy i holds slice i along d, so the shard (i, j)
+lives on logical device j of replica i and a device holds 1/(M k) of it.
+
+* Use: inside a replica, each shard is gathered whole along d for that use
+  (`ReplicaContext.all_gather`), on the shard's logical device; outside one
+  (Keras's symbolic build, `numpy`, saving) its copies are concatenated.
+* Gradient: `all_gather`'s gradient in TensorFlow is an all-reduce of the whole
+  gradient followed by the replica's slice: a reduce-scatter built from an
+  all-reduce, as TensorFlow has no reduce-scatter on CPUs (DESIGN.md). It is
+  already summed over the replicas, so the optimizer must not sum it again
+  (`_compat/keras_fsdp.py` skips its all-reduce for these variables); each copy's
+  update then runs unchanged on its own slice, and so do the optimizer's slots
+  (made with the shard's shape, beside each copy): weights, gradients at rest and
+  slots are all 1/M per device.
+* Saving: `numpy`, `assign`, `get_weights` and Keras's files see the whole tensor
+  (`ShardedVariable`'s facade): the checkpoint format is unsharded.
+* A step traced once: these copies differ across replicas, so the trace's
+  invariance analysis is told so (`replica_slices`).
+
+Not supported (a clear error when the model is built): the data axis without a
+`ReplicatorStrategy` of several replicas, a multi-worker strategy (copies on
+other workers), a variable both split over the replicas and read by a layer rule
+that needs its shards (the layer then uses the gathered tensor: correct, not
+computed on shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from keras_replicator.errors import LayoutError
+from keras_replicator.model_parallel.sharded_variable import ShardedVariable
+
+__all__ = ["ReplicaShardedVariable", "copies", "data_dim", "mark_replica_slices", "replica_slices"]
+
+#: The attribute marking a TensorFlow variable whose replica copies hold different slices.
+_MARK = "_kr_replica_slices"
+
+
+def copies(variable) -> list[tf.Variable]:
+    """The per-replica copies (components) of a Keras or TensorFlow mirrored variable."""
+    value = getattr(variable, "value", variable)
+    values = getattr(value, "values", None)
+    if isinstance(values, tuple) and values and isinstance(values[0], tf.Variable):
+        return list(values)
+    return [value]
+
+
+def mark_replica_slices(variable) -> None:
+    """Marks `variable` (Keras or TensorFlow): its replica copies hold different slices."""
+    setattr(getattr(variable, "value", variable), _MARK, True)
+
+
+def replica_slices(variable) -> bool:
+    """Whether `variable`'s copies hold different slices (its gradient is already summed)."""
+    return bool(getattr(variable, _MARK, False))
+
+
+def data_dim(layout, rules, placement) -> int | None:
+    """The dimension `layout` splits over the replicas, or `None` (not split, or M = 1).
+
+    Raises `LayoutError` when the data axis splits a variable where it cannot be:
+    without a strategy, or over the replicas of several workers.
+    """
+    if layout is None or rules.data_axis not in layout.axes or rules.data_size == 1:
+        return None
+    dim = layout.axes.index(rules.data_axis)
+    strategy = getattr(placement, "strategy", None)
+    if strategy is None:
+        raise LayoutError(
+            f"LayoutMap rule {layout.rule!r} -> {layout.axes} splits {layout.path!r} over the data "
+            f"axis {rules.data_axis!r}: that needs the replicas of a ReplicatorStrategy(layout_map=...)."
+        )
+    if getattr(strategy, "num_workers", 1) > 1:
+        raise LayoutError(
+            f"LayoutMap rule {layout.rule!r} splits {layout.path!r} over the data axis: FSDP over "
+            "the replicas of several workers is not supported (a worker holds only its replicas' copies)."
+        )
+    return dim
+
+
+def split_over_replicas(whole, dim: int, num_replicas: int) -> list:
+    """`whole` cut into the M replicas' slices along `dim`."""
+    return tf.split(whole, num_replicas, axis=dim)
+
+
+def assign_replica_slices(variable, whole, dim: int) -> None:
+    """Copy i of `variable` gets slice i of `whole` along `dim` (eagerly)."""
+    parts = copies(variable)
+    if len(parts) < 2:
+        raise LayoutError(f"{variable.path!r}: a variable split over the replicas needs mirrored copies.")
+    for copy, part in zip(parts, np.split(np.asarray(whole), len(parts), axis=dim)):
+        copy.assign(part)
+
+
+@tf.custom_gradient
+def _dense_gradient(x):
+    """The identity, whose gradient is dense: `all_gather`'s gradient all-reduces it, and
+    TensorFlow's all-reduce takes no `IndexedSlices` (an embedding lookup's gradient)."""
+    return tf.identity(x), tf.convert_to_tensor
+
+
+class ReplicaShardedVariable(ShardedVariable):
+    """A `ShardedVariable` whose shards are also split over the M replicas along `data_axis`.
+
+    Each shard is a mirrored Keras variable whose copy i holds slice i along
+    `data_axis` (so the facade's whole tensor is M x the shards' shapes there). A
+    use in a replica gathers each shard over the replicas (`all_gather`, whose
+    gradient is the reduce-scatter); `numpy` and `assign` work on the whole tensor.
+
+    Args:
+        shards: the k shard variables (k = 1 without a model axis).
+        axis: the dimension the shards split (the model axis), or `None`.
+        data_axis: the dimension the replicas split.
+        path: the whole variable's Keras path.
+        placement: where shard j's ops run (`ops(j)`).
+
+    Example:
+        ```python
+        import keras
+        from keras_replicator.model_parallel.fsdp import ReplicaShardedVariable
+
+        mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"])     # 2 replicas
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense/kernel"] = ("batch", None)       # rows over the replicas
+        strategy = kr.ReplicatorStrategy(layout_map=layout_map)
+        with strategy.scope():
+            layer = keras.layers.Dense(2, name="dense")
+            layer.build((None, 8))
+        isinstance(layer.kernel, ReplicaShardedVariable)   # True
+        layer.kernel.shape                                 # (8, 2): used whole
+        [tuple(c.shape) for c in layer.trainable_weights[0].value.values]  # [(4, 2), (4, 2)]: a copy per replica
+        layer.kernel.numpy()[:, 0].shape                   # (8,): the copies put together
+        ```
+    """
+
+    def __init__(self, shards: Sequence, axis: int | None, data_axis: int, path: str, placement):
+        self.shards = tuple(shards)
+        self.axis = int(axis) if axis is not None else None
+        self.data_axis = int(data_axis)
+        self.path = path
+        self.name = path.rsplit("/", 1)[-1]
+        self.placement = placement
+        self.num_replicas = len(copies(self.shards[0]))
+        shape = list(self.shards[0].shape)
+        if self.axis is not None:
+            shape[self.axis] *= len(self.shards)
+        shape[self.data_axis] *= self.num_replicas
+        self.shape = tuple(shape)
+
+    def _gathered(self, j: int) -> tf.Tensor:
+        shard = self.shards[j]
+        context = tf.distribute.get_replica_context()
+        if context is not None and tf.distribute.has_strategy():
+            with self.placement.ops(j):
+                return _dense_gradient(context.all_gather(tf.convert_to_tensor(shard.value), axis=self.data_axis))
+        # Outside a replica (Keras's symbolic build, eager reads): the copies, concatenated.
+        return tf.concat([tf.convert_to_tensor(c) for c in copies(shard)], axis=self.data_axis)
+
+    def shard_values(self) -> list[tf.Tensor]:
+        """Each model-axis shard gathered whole over the replicas."""
+        return [self._gathered(j) for j in range(len(self.shards))]
+
+    @property
+    def value(self) -> tf.Tensor:
+        values = self.shard_values()
+        return values[0] if self.axis is None else tf.concat(values, axis=self.axis)
+
+    def _shard_numpy(self, shard) -> np.ndarray:
+        return np.concatenate([np.asarray(c.numpy()) for c in copies(shard)], axis=self.data_axis)
+
+    def numpy(self) -> np.ndarray:
+        parts = [self._shard_numpy(s) for s in self.shards]
+        return parts[0] if self.axis is None else np.concatenate(parts, axis=self.axis)
+
+    def assign(self, value) -> None:
+        """Assigns the whole tensor: shard j's copy i gets its slice (loading, `set_weights`)."""
+        value = np.asarray(value)
+        if tuple(value.shape) != self.shape:
+            raise LayoutError(
+                f"cannot assign a value of shape {tuple(value.shape)} to {self.path!r} of shape {self.shape}."
+            )
+        parts = [value] if self.axis is None else np.split(value, len(self.shards), axis=self.axis)
+        for shard, part in zip(self.shards, parts):
+            assign_replica_slices(shard, part, self.data_axis)
+
+    def __repr__(self) -> str:
+        return (f"<ReplicaShardedVariable path={self.path} shape={self.shape} dtype={self.dtype} "
+                f"shards={len(self.shards)} on axis {self.axis}, {self.num_replicas} replicas on "
+                f"axis {self.data_axis}>")
