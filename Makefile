@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 	$(PY) -m benchmarks.memory
+	$(PY) -m benchmarks.model_parallel
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

@@ -37,5 +37,6 @@ The outputs (from the JSON):
     90% intervals, how figures are written.
 
 Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_throughput``,
-``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``.
+``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``,
+``model_parallel``.
 """
