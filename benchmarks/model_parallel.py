@@ -202,7 +202,7 @@ def main(argv=None) -> None:
         json.dump(results, f, indent=1)
     small = results["small"]
     base = statistics.mean([small[0]["step_seconds"], small[-1]["step_seconds"]])
-    md = [f"# Tensor parallelism: bytes per device and step time (8 simulated CPU devices, AdamW)\n",
+    md = ["# Tensor parallelism: bytes per device and step time (8 simulated CPU devices, AdamW)\n",
           f"## small model ({small[0]['params']:,} parameters), all measured\n",
           table(small[:-1], small[0]["params"]), "",
           "| configuration | median step s | / replicated |", "|---|---:|---:|"]
