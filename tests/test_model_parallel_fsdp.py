@@ -198,3 +198,36 @@ def test_guide_example():
     lines = run_markdown_example("docs/model_parallel.md", 2).stdout.strip().splitlines()
     assert lines[-2] == "(16, 64) [(4, 64), (4, 64), (4, 64), (4, 64)]"
     assert lines[-1] == "[(16, 64), (64,), (64, 8), (8,)]"
+
+
+def test_optimizer_state_saved_whole_and_training_continues_on_one_device(tmp_path):
+    """AdamW's slots of split variables go to the file whole: model.save on the mesh, load_model on
+    one device, one more epoch there ends at the uninterrupted run's weights."""
+    strategy = kr.ReplicatorStrategy(layout_map=fsdp_layout(mesh(4, 1)))
+    model, ref, _, _ = train(strategy, "adamw", epochs=1)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Counted": Counted})
+    got, want = loaded.optimizer.variables, ref.optimizer.variables
+    assert [tuple(v.shape) for v in got] == [tuple(v.shape) for v in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5, rtol=1e-5)
+    x, y = data()
+    for m in (loaded, ref):
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(loaded, ref)
+
+
+@pytest.mark.parametrize("strategy_kwargs,optimizer,match", [
+    pytest.param(dict(shard_optimizer_state=True), lambda: keras.optimizers.SGD(0.1), "shard_optimizer_state",
+                 id="zero-1"),
+    pytest.param({}, lambda: kr.optimizers.CrossReplicaOptimizer(keras.optimizers.SGD(0.1)),
+                 "CrossReplicaOptimizer", id="cross-replica-optimizer"),
+    pytest.param({}, lambda: keras.optimizers.SGD(0.1, global_clipnorm=1.0), "global_clipnorm", id="clipnorm"),
+])
+def test_optimizers_that_cannot_update_slices_are_refused_at_compile(strategy_kwargs, optimizer, match):
+    strategy = kr.ReplicatorStrategy(layout_map=fsdp_layout(mesh(4, 1)), **strategy_kwargs)
+    with strategy.scope():
+        model = mlp()
+        with pytest.raises(LayoutError, match=match):
+            model.compile(optimizer(), "mse")

@@ -49,7 +49,7 @@ from keras.src.trainers.trainer import Trainer
 
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import parallel_layers, sharding
+from keras_replicator.model_parallel import fsdp, parallel_layers, sharding
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
 _POSITIONAL = ("shape", "initializer", "dtype")
@@ -244,7 +244,9 @@ def _slot_beside_shard(original):
         # TensorFlow's strategies colocate a slot with its variable; without one,
         # an eager colocation is ignored, so the shard's device is set here too.
         with placement.variables(j):
-            return original(self, reference_variable, *args, **kwargs)
+            slot = original(self, reference_variable, *args, **kwargs)
+        fsdp.mark_like(slot, reference_variable)  # a slot of a variable split over the replicas is too
+        return slot
 
     return add_variable_from_reference
 
@@ -253,6 +255,7 @@ def _check_rules(model, where: str) -> None:
     model_sharding = getattr(getattr(model, "distribute_strategy", None), "model_sharding", None)
     if model_sharding is not None:
         model_sharding.check_all_rules_matched(where)
+        fsdp.check_optimizer(model)
 
 
 def _check_at_compile(original):

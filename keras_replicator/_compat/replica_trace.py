@@ -67,6 +67,7 @@ from tensorflow.python.util import nest
 
 from keras_replicator._compat import collective_launcher, replica_invariance, replica_step_split
 from keras_replicator._compat.patching import Patches, ScopedPatch
+from keras_replicator.model_parallel import fsdp
 
 _log = logging.getLogger("keras_replicator")
 
@@ -163,8 +164,7 @@ class ComponentRegistry:
 
     def replica_slices(self, handle) -> bool:
         """Whether `handle`'s variable holds a different slice on each replica (FSDP)."""
-        entry = self._by_handle.get(id(handle))
-        return entry is not None and getattr(entry[0](), "_kr_replica_slices", False)
+        return fsdp.replica_slices((self._by_handle.get(id(handle)) or (lambda: None,))[0]())
 
     def components(self, handle) -> tuple | None:
         """The components of the variable `handle` is replica 0's component of, else None."""

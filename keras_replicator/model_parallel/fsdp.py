@@ -31,6 +31,7 @@ computed on shards).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,29 +40,87 @@ import tensorflow as tf
 from keras_replicator.errors import LayoutError
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
-__all__ = ["ReplicaShardedVariable", "copies", "data_dim", "mark_replica_slices", "replica_slices"]
+__all__ = ["ReplicaShardedVariable", "WholeCopies", "check_optimizer", "copies", "data_dim", "mark_like",
+           "mark_replica_slices", "replica_axis", "replica_slices"]
 
-#: The attribute marking a TensorFlow variable whose replica copies hold different slices.
-_MARK = "_kr_replica_slices"
+# id(TensorFlow variable) -> (weak reference to it, the dimension its replica copies split).
+_split: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable of a Keras one (`.value`); a TensorFlow variable itself
+    (whose `.value` is a method)."""
+    return variable if isinstance(variable, tf.Variable) else getattr(variable, "value", variable)
 
 
 def copies(variable) -> list[tf.Variable]:
     """The per-replica copies (components) of a Keras or TensorFlow mirrored variable."""
-    value = getattr(variable, "value", variable)
+    value = _tf_variable(variable)
     values = getattr(value, "values", None)
     if isinstance(values, tuple) and values and isinstance(values[0], tf.Variable):
         return list(values)
     return [value]
 
 
-def mark_replica_slices(variable) -> None:
-    """Marks `variable` (Keras or TensorFlow): its replica copies hold different slices."""
-    setattr(getattr(variable, "value", variable), _MARK, True)
+def mark_replica_slices(variable, axis: int) -> None:
+    """Marks `variable` (Keras or TensorFlow): its replica copies hold slices along `axis`."""
+    tf_variable = _tf_variable(variable)
+    _split[id(tf_variable)] = (weakref.ref(tf_variable), int(axis))
+
+
+def mark_like(slot, reference) -> None:
+    """Marks an optimizer's `slot` as its `reference` variable is marked (same shape, same slices)."""
+    axis = replica_axis(reference)
+    if axis is not None:
+        mark_replica_slices(slot, axis)
 
 
 def replica_slices(variable) -> bool:
     """Whether `variable`'s copies hold different slices (its gradient is already summed)."""
-    return bool(getattr(variable, _MARK, False))
+    return replica_axis(variable) is not None
+
+
+def replica_axis(variable) -> int | None:
+    """The dimension `variable`'s copies split, or `None` (Keras or TensorFlow variable)."""
+    tf_variable = _tf_variable(variable)
+    entry = _split.get(id(tf_variable))
+    return entry[1] if entry is not None and entry[0]() is tf_variable else None
+
+
+class WholeCopies:
+    """An optimizer variable split over the replicas, seen whole (Keras's optimizer saving).
+
+    `numpy()` puts the copies together along the split dimension; `assign(whole)`
+    gives copy i its slice.
+    """
+
+    def __init__(self, variable, axis: int):
+        self.variable, self.axis = variable, axis
+
+    def numpy(self) -> np.ndarray:
+        return np.concatenate([np.asarray(c.numpy()) for c in copies(self.variable)], axis=self.axis)
+
+    def assign(self, value) -> None:
+        assign_replica_slices(self.variable, value, self.axis)
+
+
+def check_optimizer(model) -> None:
+    """Raises `LayoutError` when `model`'s optimizer would update split variables wrongly."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not any(replica_slices(v) for v in model.trainable_variables):
+        return
+    problem = None
+    if getattr(model.distribute_strategy, "shard_optimizer_state", False):
+        problem = "shard_optimizer_state=True (its update and all-gather would overwrite the slices)"
+    elif getattr(type(optimizer), "reduces_gradients", False):
+        problem = "a CrossReplicaOptimizer (it would sum their already reduced gradients again)"
+    elif getattr(optimizer, "clipnorm", None) or getattr(optimizer, "global_clipnorm", None):
+        problem = "clipnorm / global_clipnorm (each replica would see its slice's norm)"
+    if problem is not None:
+        raise LayoutError(
+            "the layout splits variables over the data axis (FSDP), which keras_replicator does "
+            f"not train with {problem}; remove it, or the data axis from the layouts."
+        )
 
 
 def data_dim(layout, rules, placement) -> int | None:

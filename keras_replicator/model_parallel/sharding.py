@@ -156,7 +156,7 @@ class ModelSharding:
             if replica_dim is not None:
                 with tf.init_scope():
                     fsdp.assign_replica_slices(shards[-1], part, replica_dim)
-                fsdp.mark_replica_slices(shards[-1])
+                fsdp.mark_replica_slices(shards[-1], replica_dim)
             _homes[id(shards[-1])] = (weakref.ref(shards[-1]), self.placement, j)
         if replica_dim is None:
             variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
