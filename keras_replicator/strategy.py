@@ -131,6 +131,14 @@ def _local_device_names(devices) -> list[str] | None:
     return out
 
 
+def _check_divides(devices_per_replica: int, devices: list[str]) -> None:
+    if len(devices) % devices_per_replica:
+        raise ArgumentError(
+            f"devices_per_replica={devices_per_replica} must divide the number of local devices, "
+            f"{len(devices)} ({devices}): each replica spans exactly {devices_per_replica} devices."
+        )
+
+
 class _ScopeWithPatches:
     """TensorFlow's strategy scope, with the scoped patches applied while it is entered."""
 
@@ -312,10 +320,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                     "cross_device_ops applies to one machine; in a multi-worker job choose "
                     'communication="ring" or "nccl" instead.'
                 )
+            local_names = _local_device_names(devices)
+            if local_names is not None:
+                _check_divides(devices_per_replica, local_names)  # else checked once the worker's devices are known
             extended = engines.ReplicatorMultiWorkerExtended(
                 self,
                 resolver,
-                devices=_local_device_names(devices),
+                devices=local_names,
                 communication=implementation,
                 failure_timeout=failure_timeout,
                 startup_timeout=startup_timeout,
@@ -324,6 +335,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             )
         else:
             device_names = _normalise_devices(devices)
+            _check_divides(devices_per_replica, device_names)
             chosen = cross_device_ops is not None
             if cross_device_ops is None and communication == "auto":
                 cross_device_ops = default_cross_device_ops(device_names)
@@ -394,6 +406,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         its copies, so they stay equal. An optimizer's slots follow their
         variable. Keras makes a layer's variables when the layer is built: build
         it in the context. Outside the context variables live on logical device 0.
+        Enter it inside `scope` (a `RuntimeError` says so otherwise: outside the
+        scope variables are TensorFlow's plain ones).
 
         Example:
             ```python

@@ -5,9 +5,10 @@ Usage (every worker runs the same command, as ``keras-replicator launch`` does):
     python tests/model_parallel_job.py OUT_DIR
 
 Each worker (2 devices: one replica of 2 logical devices) trains the two-stage
-model and writes its weights and where their copies live to
-``OUT_DIR/worker{i}.json`` / ``.npz``; the test compares the workers with each
-other and with the same training on one device.
+model, then again with the optimizer state sharded over the job's 2 replicas,
+and writes the weights and where their copies and slots live to
+``OUT_DIR/{mirrored,sharded}{i}.json`` / ``.npz``; the test compares the
+workers with each other and with the same training on one device.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ OPTIMIZERS = {
 }
 
 
+@keras.saving.register_keras_serializable(package="keras_replicator_tests")
 class TwoStage(keras.Model):
     """Stage 1 on logical device 0, stage 2 on logical device 1 (`kr.logical_device`)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.stage1 = keras.layers.Dense(16, activation="tanh")
         self.stage2 = keras.layers.Dense(3)
         self.seen = []  # where stage 2 ran, one entry per trace of a replica
@@ -84,24 +86,34 @@ def fit(strategy, optimizer, steps_per_execution: int = 1, epochs: int = 2) -> T
     return model
 
 
+def _devices(variable) -> list[str]:
+    variable = getattr(variable, "value", variable)
+    return [c.device for c in getattr(variable, "values", [variable])]
+
+
 def main(out_dir: str) -> None:
     # Before any tensor: the strategy joins the cluster that TF_CONFIG describes.
     strategy = kr.ReplicatorStrategy(devices_per_replica=2, startup_timeout=120)
-    model = fit(strategy, "adamw", steps_per_execution=2)
-    report = {
-        "worker_index": strategy.worker_index,
-        "num_replicas": strategy.num_replicas_in_sync,
-        "mesh": list(strategy.mesh.devices),
-        "stage1": [c.device for c in model.stage1.kernel.value.values],
-        "stage2": [c.device for c in model.stage2.kernel.value.values],
-        "slots": {v.path: [c.device for c in v.value.values] for v in model.optimizer.variables
-                  if v.shape == model.stage2.kernel.shape},
-    }
-    name = os.path.join(out_dir, f"worker{strategy.worker_index}")
-    np.savez(name + ".npz", *[np.asarray(w) for w in model.get_weights()])
-    with open(name + ".json", "w") as f:
-        json.dump(report, f)
-    print("wrote", name, flush=True)
+    # The same cluster again, the optimizer state sharded over the job's 2 replicas.
+    sharded = kr.ReplicatorStrategy(devices_per_replica=2, shard_optimizer_state=True)
+    for name, each in (("mirrored", strategy), ("sharded", sharded)):
+        model = fit(each, "adamw", steps_per_execution=2)
+        # AdamW's moments of stage 2's kernel (of shape (0,) where the other worker owns them).
+        key = model.stage2.kernel.path.replace("/", "_")
+        slots = [v for v in model.optimizer.variables if key in v.path]
+        report = {
+            "worker_index": each.worker_index,
+            "num_replicas": each.num_replicas_in_sync,
+            "mesh": list(each.mesh.devices),
+            "stage1": _devices(model.stage1.kernel),
+            "stage2": _devices(model.stage2.kernel),
+            "slots": {v.path: [tuple(v.shape), *_devices(v)] for v in slots},
+        }
+        path = os.path.join(out_dir, f"{name}{each.worker_index}")
+        np.savez(path + ".npz", *[np.asarray(w) for w in model.get_weights()])
+        with open(path + ".json", "w") as f:
+            json.dump(report, f)
+        print("wrote", path, flush=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,10 @@ def test_cross_replica_optimizer_evaluate_and_predict_match_one_device(strategy)
                                reference.predict(X, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def test_custom_loop_places_ops_and_gradients_per_replica(strategy):
+@pytest.mark.parametrize("communication", ["auto", "ring"])
+def test_custom_loop_places_ops_gradients_and_all_reduces_per_replica(strategy, communication):
+    if communication != "auto":  # a collective all-reduce: one group per logical device
+        strategy = kr.ReplicatorStrategy(devices_per_replica=2, communication=communication)
     with strategy.scope():
         model = two_stage(strategy)
         optimizer = keras.optimizers.SGD(0.1)
@@ -109,12 +112,18 @@ def test_custom_loop_places_ops_and_gradients_per_replica(strategy):
             loss = tf.reduce_mean((reference(X[i:i + BATCH]) - Y[i:i + BATCH]) ** 2)
         reference_optimizer.apply(tape.gradient(loss, reference.trainable_variables),
                                   reference.trainable_variables)
+    kr.testing.assert_replicas_identical(model)
     assert kr.testing.max_weight_difference(model, reference) <= 1e-5
     # Each replica's gradients were computed where their variables live: the
     # backward pass of stage 2 on its logical device 1.
     kernels = [g[2] for g in where[:2]]
     assert kernels == mesh_devices(strategy, 1)
     assert [g[0] for g in where[:2]] == mesh_devices(strategy, 0)
+    if communication == "ring":
+        # Stage 2's gradients are all-reduced among its copies, on logical device 1.
+        graph = step.get_concrete_function(x, y).graph
+        collectives = {op.device for op in graph.get_operations() if op.type == "CollectiveReduceV2"}
+        assert collectives == set(strategy.mesh.devices)
 
 
 def test_shard_optimizer_state_matches_one_device():
@@ -140,6 +149,9 @@ def test_bad_arguments():
     strategy = kr.ReplicatorStrategy(["/cpu:0", "/cpu:1"], devices_per_replica=2)
     with pytest.raises(kr.errors.ArgumentError, match="logical_device"):
         strategy.logical_device_for_variables(2)
+    with pytest.raises(RuntimeError, match="inside `with strategy.scope"):
+        with strategy.logical_device_for_variables(1):
+            pass
 
     @tf.function
     def step():
@@ -170,21 +182,32 @@ def test_two_workers_each_one_replica_of_two_devices(tmp_path):
     code = launcher.launch(os.path.join(ROOT, "tests", "model_parallel_job.py"), [str(tmp_path)],
                            workers=2, devices_per_worker=2, env=launch_env(), timeout=400, output=out)
     assert code == 0, out.getvalue()[-8000:]
-    reports, weights = [], []
-    for i in range(2):
-        with open(tmp_path / f"worker{i}.json") as f:
-            reports.append(json.load(f))
-        with np.load(tmp_path / f"worker{i}.npz") as arrays:
-            weights.append([arrays[f"arr_{j}"] for j in range(len(arrays.files))])
     reference = fit(None, "adamw").get_weights()
-    for i, report in enumerate(reports):
-        task = f"/job:worker/replica:0/task:{i}/device:CPU:"
-        assert report["num_replicas"] == 2 and report["mesh"] == [task + "0", task + "1"]
-        assert report["stage1"] == [task + "0"] and report["stage2"] == [task + "1"]
-        assert report["slots"] and all(d == [task + "1"] for d in report["slots"].values())
-    for a, b, want in zip(weights[0], weights[1], reference):
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(a, want, atol=1e-5, rtol=0)
+    for name in ("mirrored", "sharded"):
+        reports, weights = [], []
+        for i in range(2):
+            with open(tmp_path / f"{name}{i}.json") as f:
+                reports.append(json.load(f))
+            with np.load(tmp_path / f"{name}{i}.npz") as arrays:
+                weights.append([arrays[f"arr_{j}"] for j in range(len(arrays.files))])
+        held = []
+        for i, report in enumerate(reports):
+            task = f"/job:worker/replica:0/task:{i}/device:CPU:"
+            assert report["num_replicas"] == 2 and report["mesh"] == [task + "0", task + "1"]
+            assert report["stage1"] == [task + "0"] and report["stage2"] == [task + "1"]
+            assert report["slots"], report
+            for shape, *devices in report["slots"].values():
+                # Each slot of stage 2's kernel: whole on this worker's logical device 1
+                # (mirrored, or owned here), or an empty placeholder (owned by the other worker).
+                held.append(tuple(shape) != (0,))
+                assert devices == [task + "1"] or not held[-1], (name, report["slots"])
+        if name == "sharded":  # AdamW's 2 moments of stage 2's kernel, each whole once in the job
+            assert sum(held) == 2 and len(held) == 4, reports
+        else:
+            assert all(held) and len(held) == 4
+        for a, b, want in zip(weights[0], weights[1], reference):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, want, atol=1e-5, rtol=0)
 
 
 def resumed(strategy, path) -> keras.Model:
@@ -213,3 +236,36 @@ def test_checkpoint_from_a_mesh_continues_on_another_mesh_and_on_one_device(stra
     path = str(tmp_path / "one.weights.h5")
     fit(None, "adamw", epochs=1).save_weights(path)
     assert kr.testing.max_weight_difference(resumed(strategy, path), uninterrupted) <= 1e-5
+
+
+def test_saved_model_from_a_mesh_loads_and_trains_on_one_device(strategy, tmp_path):
+    uninterrupted = fit(None, "adamw", epochs=2)
+    path = str(tmp_path / "half.keras")
+    fit(strategy, "adamw", epochs=1).save(path)  # 2 replicas x 2 devices, with AdamW's state
+    loaded = keras.models.load_model(path)
+    loaded.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert kr.testing.max_weight_difference(loaded, uninterrupted) <= 1e-5
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_from_a_mesh_resumes_on_one_device(strategy, tmp_path):
+    uninterrupted = fit(None, "adamw", epochs=2)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with strategy.scope():
+        model = two_stage(strategy)
+        model.compile(OPTIMIZERS["adamw"](), "mse")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[backup, _StopAfterEpoch()])
+    restarted = two_stage()
+    restarted.compile(OPTIMIZERS["adamw"](), "mse")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    history = restarted.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[backup])
+    assert len(history.history["loss"]) == 1  # the second epoch only
+    assert kr.testing.max_weight_difference(restarted, uninterrupted) <= 1e-5

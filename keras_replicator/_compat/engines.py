@@ -13,6 +13,11 @@ TensorFlow 2.16-2.21:
   `_devices`): the variables made under `logical_device_for_variables(i)` are
   mirrored over logical device `i` of every replica (`_LogicalDevices`); reads a
   mirrored replica context's `_replica_id_in_sync_group` (a Python int);
+* `MirroredExtended._batch_reduce_to`: values whose copies are logical device
+  `j > 0`'s are all-reduced by a `CollectiveAllReduce` over those devices (its
+  own group) where the engine's all-reduce is a collective; reads that object's
+  `_group_size` and `_launchers`, the engine's `_communication_options` and
+  `_collective_keys`;
 * `MirroredExtended._make_collective_ops_with_fallbacks` and
   `_initialize_strategy`: execution-ordered collective keys, an explicit
   `communication=`;
@@ -169,11 +174,71 @@ class _LogicalDevices:
     @contextlib.contextmanager
     def logical_device_for_variables(self, index: int):
         index = self.check_logical_device(index)
+        strategy = self._container_strategy()
+        if not tf.distribute.has_strategy() or tf.distribute.get_strategy() is not strategy:
+            # Outside the scope, variables are TensorFlow's plain ones, on the default device.
+            raise RuntimeError(
+                "logical_device_for_variables() places the variables made in the strategy's scope: "
+                "enter it inside `with strategy.scope():`."
+            )
         self._kr_variable_device.append(index)
         try:
             yield
         finally:
             self._kr_variable_device.pop()
+
+    def _kr_make_logical_collectives(self, base) -> None:
+        """One collective all-reduce per logical device j > 0, over its copies in every replica.
+
+        Why: TensorFlow's collective runs on the replicas' logical devices 0; the
+        gradients of a variable on logical device j would be copied there and back.
+        Only where the step's all-reduce is a collective (several workers, or
+        `communication=` on one machine); made now, in the same order on every worker, so that the
+        group keys agree.
+        """
+        self._kr_logical_ops: dict[int, tf_cross_device_ops.CollectiveAllReduce] = {}
+        self._kr_logical_index: dict[tuple, int] = {}
+        if self._kr_devices_per_replica == 1 or not isinstance(base, tf_cross_device_ops.CollectiveAllReduce):
+            return
+        for j in range(1, self._kr_devices_per_replica):
+            devices = self.mesh.logical_devices(j)
+            self._kr_logical_ops[j] = make_control_flow_safe(tf_cross_device_ops.CollectiveAllReduce(
+                devices=devices, group_size=base._group_size, options=self._communication_options,
+                collective_keys=self._collective_keys))
+            self._kr_logical_index[devices] = j
+
+    def logical_device_launchers(self) -> list:
+        """The launchers of each logical device's collective group (aligned before each step)."""
+        return [list(ops_obj._launchers) for ops_obj in getattr(self, "_kr_logical_ops", {}).values()]
+
+    def _kr_logical_group(self, value) -> int:
+        """j > 0 if `value`'s components are logical device j's, one per replica, and the
+        all-reduce it would take is a collective; else 0 (the engine's own all-reduce)."""
+        if not getattr(self, "_kr_logical_ops", None) or not isinstance(value, tf.distribute.DistributedValues):
+            return 0
+        devices = tuple(device_util.canonicalize(v.device) for v in value.values)
+        j = self._kr_logical_index.get(devices, 0)
+        if j and not isinstance(self._get_cross_device_ops(value), tf_cross_device_ops.CollectiveAllReduce):
+            return 0
+        return j
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        groups: dict[int, list[int]] = {}
+        for i, (value, _) in enumerate(value_destination_pairs):
+            groups.setdefault(self._kr_logical_group(value), []).append(i)
+        if set(groups) <= {0}:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        results: list = [None] * len(value_destination_pairs)
+        for j, members in groups.items():  # in order of first appearance: the same on every worker
+            pairs = [value_destination_pairs[i] for i in members]
+            if j == 0:
+                reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+            else:
+                reduced = self._kr_logical_ops[j].batch_reduce(
+                    reduce_op, pairs, options=self._communication_options.merge(options))
+            for i, value in zip(members, reduced):
+                results[i] = value
+        return results
 
     def _create_variable(self, next_creator, **kwargs):
         if kwargs.get("colocate_with") is None and self._kr_variable_device:
@@ -206,6 +271,7 @@ class ReplicatorExtended(_TraceOnce, _LogicalDevices, mirrored_strategy.Mirrored
         # Read by _make_collective_ops_with_fallbacks during super().__init__.
         self._kr_communication = communication
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+        self._kr_make_logical_collectives(self._cross_device_ops)
 
     def _make_collective_ops_with_fallbacks(self):
         ops_obj = super()._make_collective_ops_with_fallbacks()
@@ -324,6 +390,7 @@ class ReplicatorMultiWorkerExtended(
         _joined_cluster = key
         make_control_flow_safe(self._cross_device_ops)
         make_control_flow_safe(self._host_cross_device_ops)
+        self._kr_make_logical_collectives(self._cross_device_ops)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         mine = tf.DeviceSpec.from_string(worker_device)

@@ -530,6 +530,8 @@ def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launch
     """The replica step on every replica: traced once where it can be, else per replica."""
     if launchers and not getattr(_nested, "depth", 0):
         collective_launcher.align_execution_counters(launchers)
+        for group in getattr(extended, "logical_device_launchers", lambda: ())():
+            collective_launcher.align_execution_counters(group)  # a replica's other devices' groups
     _nested.depth = getattr(_nested, "depth", 0) + 1
     try:
         return _call_for_each_replica(extended, fn, args, kwargs, registry, launchers)
