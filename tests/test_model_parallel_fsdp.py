@@ -179,12 +179,22 @@ def test_save_on_the_mesh_load_on_one_device_and_back(tmp_path):
 
 
 def test_what_fsdp_cannot_do_is_an_error_before_any_step():
-    """A dimension M does not divide; the data axis without a strategy's replicas."""
+    """A dimension M does not divide; an unnamed variable; the data axis without a strategy's replicas."""
     odd = keras.distribution.LayoutMap(mesh(4, 1))
     odd[".*odd/kernel"] = (None, "batch")                      # (8, 6): 6 over 4 replicas
     strategy = kr.ReplicatorStrategy(layout_map=odd)
     with strategy.scope(), pytest.raises(LayoutError, match=r"'odd/kernel'.*does not divide 6"):
         keras.layers.Dense(6, name="odd").build((None, 8))
+    unnamed = keras.distribution.LayoutMap(mesh(4, 1))
+    unnamed[".*custom/variable"] = ("batch",)
+
+    class Custom(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(8,))              # no name: its path is known too late
+
+    with kr.ReplicatorStrategy(layout_map=unnamed).scope(), \
+            pytest.raises(LayoutError, match=r"unnamed variable 'custom/variable'"):
+        Custom(name="custom").build((None, 8))
     with ModelSharding(fsdp_layout(mesh(4, 1))).scope(), \
             pytest.raises(LayoutError, match=r"d1/kernel.*needs the replicas of a ReplicatorStrategy"):
         mlp()

@@ -72,7 +72,8 @@ def _sharded_add_weight(original):
         if name is None:
             variable = original(self, **kwargs)
             layout = model_sharding.rules.resolve(variable.path, variable.shape)
-            if layout is not None and layout.sharded:
+            rules = model_sharding.rules
+            if layout is not None and (layout.sharded or (rules.data_axis in layout.axes and rules.data_size > 1)):
                 raise LayoutError(
                     f"LayoutMap rule {layout.rule!r} shards the unnamed variable {variable.path!r}: "
                     "give it a name (add_weight(name=...)) so its path is known when it is made."
