@@ -138,6 +138,14 @@ def test_fsdp_over_four_replicas_trains_as_one_device(optimizer, trace_once):
     assert moved > 1e-2
     assert_weights_close(model, ref)
     assert_fsdp_bytes(model, 4, 1, slots=0 if optimizer == "sgd" else 2)
+    shapes = []                                         # a gathered use has its whole static shape
+
+    def replica_fn():
+        shapes.append(tuple(model.get_layer("d2").kernel.value.shape))
+        return tf.reduce_sum(model.get_layer("d2").kernel.value)
+
+    tf.function(lambda: strategy.run(replica_fn))()
+    assert shapes and set(shapes) == {(16, 8)}
 
 
 def test_a_layout_naming_both_axes_on_a_2x2_mesh():

@@ -219,8 +219,13 @@ class ReplicaShardedVariable(ShardedVariable):
         shard = self.shards[j]
         context = tf.distribute.get_replica_context()
         if context is not None and tf.distribute.has_strategy():
+            shape = list(shard.shape)
+            shape[self.data_axis] *= self.num_replicas
             with self.placement.ops(j):
-                return _dense_gradient(context.all_gather(tf.convert_to_tensor(shard.value), axis=self.data_axis))
+                gathered = context.all_gather(tf.convert_to_tensor(shard.value), axis=self.data_axis)
+                # all_gather's static shape leaves the gathered dimension unknown: later layers
+                # (LayerNormalization's broadcast) need it.
+                return _dense_gradient(tf.ensure_shape(gathered, shape))
         # Outside a replica (Keras's symbolic build, eager reads): the copies, concatenated.
         return tf.concat([tf.convert_to_tensor(c) for c in copies(shard)], axis=self.data_axis)
 
