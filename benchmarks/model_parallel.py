@@ -11,7 +11,9 @@ AdamW, under four configurations, each in a fresh interpreter:
 * ``tp1x8`` and ``tp2x4``: `ReplicatorStrategy(layout_map=...)` with Megatron's
   layout (embeddings by vocabulary, Q/K/V by heads, the attention output and the
   FFN's second kernel row-parallel, its first and the output projection
-  column-parallel) on meshes (1, 8) and (2, 4).
+  column-parallel) on meshes (1, 8) and (2, 4);
+* ``fsdp8``: FSDP over 8 replicas, mesh (8, 1): every embedding and kernel split over
+  the data axis (`fsdp_layout`).
 
 Two models:
 
@@ -40,7 +42,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("replicated", "zero1", "tp1x8", "tp2x4")
+CONFIGS = ("replicated", "zero1", "tp1x8", "tp2x4", "fsdp8")
 MODELS = {
     # vocabulary, d_model, layers, heads, FFN width, sequence
     "large": dict(vocab=16384, d=768, layers=12, heads=16, ffn=3072, seq=64),  # 16 heads: 8 divides them
@@ -85,6 +87,20 @@ def megatron_layout(mesh):
     return layout_map
 
 
+def fsdp_layout(mesh):
+    """Every embedding and kernel split over the 8 replicas, on a dimension 8 divides."""
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["token/embeddings"] = ("batch", None)
+    layout_map["position/embeddings"] = (None, "batch")
+    layout_map[".*mha/(query|key|value)/kernel"] = ("batch", None, None)
+    layout_map[".*mha/attention_output/kernel"] = (None, None, "batch")
+    layout_map[".*ffn_(in|out)/kernel"] = ("batch", None)
+    layout_map["logits/kernel"] = ("batch", None)
+    return layout_map
+
+
 def strategy_for(config: str):
     import keras
 
@@ -94,6 +110,9 @@ def strategy_for(config: str):
         return kr.ReplicatorStrategy()
     if config == "zero1":
         return kr.ReplicatorStrategy(shard_optimizer_state=True)
+    if config == "fsdp8":
+        mesh = keras.distribution.DeviceMesh((8, 1), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+        return kr.ReplicatorStrategy(layout_map=fsdp_layout(mesh))
     data, model = (1, 8) if config == "tp1x8" else (2, 4)
     mesh = keras.distribution.DeviceMesh((data, model), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
     return kr.ReplicatorStrategy(layout_map=megatron_layout(mesh))
@@ -190,7 +209,7 @@ def main(argv=None) -> None:
         results["small"].append(_child(config, "small", steps))
         print(results["small"][-1], flush=True)
     if not args.quick:
-        for config in ("tp1x8", "tp2x4"):
+        for config in ("tp1x8", "tp2x4", "fsdp8"):
             results["large"].append(_child(config, "large", 0))
             print(results["large"][-1], flush=True)
         params = results["large"][0]["params"]
