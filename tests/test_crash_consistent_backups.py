@@ -253,6 +253,8 @@ def test_model_checkpoint_killed_in_the_middle_of_writing_keeps_the_previous_bes
         assert _gap(model.get_weights(), [arrays[f"w{i}"] for i in range(len(arrays.files))]) > 1e-3
     torn = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
     assert len(torn) == 1 and torn[0].endswith("-best.weights.h5"), os.listdir(tmp_path)  # the half-written one
+    model.save_weights(str(best))  # the next write of the best file removes it
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")], os.listdir(tmp_path)
 
 
 def test_model_save_and_save_weights_write_through_a_temporary_file(tmp_path, strategy, monkeypatch):
