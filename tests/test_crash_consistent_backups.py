@@ -239,6 +239,27 @@ def test_a_backup_keras_wrote_in_place_is_still_restored(tmp_path, strategy, ref
     assert sorted(os.listdir(backup_dir)) == ["backup-1", "committed.json"]  # the in-place files gone
 
 
+def test_on_an_object_store_the_pointer_written_last_commits(strategy, reference):
+    """``ram://`` (tf.io.gfile's in-memory file system) is a path Keras calls remote, as ``gs://``:
+    no rename there; each backup is written in its folder and the pointer, written last, commits it."""
+    import tensorflow as tf
+
+    backup_dir = "ram://crash_consistent_backups/backup"
+    _interrupted(strategy, backup_dir, 2)
+    assert sorted(tf.io.gfile.listdir(backup_dir)) == ["backup-1", "committed.json"]
+    tf.io.gfile.makedirs(backup_dir + "/backup-2")  # a save cut short: its weights only, half written
+    with tf.io.gfile.GFile(backup_dir + "/backup-2/latest.weights.h5", "wb") as f:
+        f.write(b"\x89HDF\r\n")
+    model = _make_model(strategy)
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 backup\(s\) that are not whole \(ram://crash_consistent_"
+                                            r"backups/backup/backup-2: never committed .*; resuming from "
+                                            r"ram://crash_consistent_backups/backup/backup-1\."):
+        history = _fit(model, [keras.callbacks.BackupAndRestore(backup_dir)])
+    assert len(history.history["loss"]) == 2
+    assert _gap(model.get_weights(), reference) <= 1e-6
+    assert not tf.io.gfile.exists(backup_dir)
+
+
 def test_model_checkpoint_killed_in_the_middle_of_writing_keeps_the_previous_best(tmp_path, strategy):
     run = _finish(_job(tmp_path, "--checkpoint-kill", "2", env=_env()))
     assert run.returncode == -signal.SIGKILL and "SIGKILL in the middle of write 2" in run.stdout, run.stdout[-3000:]
