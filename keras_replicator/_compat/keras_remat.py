@@ -35,6 +35,10 @@ recomputation sets them back to those values, recomputes (the same seeds, so the
 same masks) and then puts back the states it found, so the draws after it are
 those of a run without remat. A function given to `keras.remat` directly (not a
 layer's `call`) has no known generators: its random draws are not replayed.
+
+Not bitwise reproducible under Grappler's dependency optimizer: about 1 run in
+16 of a small MLP ended up to 2.5e-3 away from the others (none without remat,
+none with that optimizer off); cause not found (docs/keras_distribution.md).
 """
 
 from __future__ import annotations
