@@ -47,6 +47,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 	$(PY) -m benchmarks.memory
+	$(PY) -m benchmarks.backup_soak --cost --json benchmarks/results/backup_cost.json
+	$(PY) -m benchmarks.backup_soak --kills 50 --json benchmarks/results/backup_soak.json
 	$(PY) -m benchmarks.remat_memory
 
 bench-quick: $(STAMP)
@@ -56,7 +58,8 @@ bench-d4pg: $(STAMP)
 	$(PY) -m benchmarks.d4pg
 
 # The SN-GAN large-batch study (docs/sngan_large_batch.md): global batch 32, 128, 256 on digits.
-# About 20 minutes on 2 cores; rerunning reuses the finished runs in runs/sngan_batch_size.
+# Each run's wall time is in benchmarks/results/sngan_batch_size.md; rerunning reuses the finished
+# runs in runs/sngan_batch_size.
 bench-sngan: $(STAMP)
 	$(PY) -m benchmarks.sngan_batch_size
 

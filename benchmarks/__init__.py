@@ -37,5 +37,7 @@ The outputs (from the JSON):
     90% intervals, how figures are written.
 
 Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_throughput``,
-``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``, ``remat_memory``.
+``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``, ``remat_memory``,
+``backup_soak`` (random SIGKILLs and restarts against the crash-consistent backups; what the commit
+costs).
 """

@@ -125,7 +125,7 @@ def train_spec(model: str, strategy: str, devices: int | str, s: Settings, **ext
             "global_batch": batches.get(model, 64 if model.startswith("resnet50") else 128),
             "steps_per_execution": 1, **steps,
             # Every window a new epoch (one fit call), as users train: each pays what Keras
-            # does between epochs, where the stall of every epoch was (docs/performance.md).
+            # does between epochs, where the stall of every epoch was (docs/design.md).
             "epoch_per_window": True}
     spec.update(extra)
     return spec

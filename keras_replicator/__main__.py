@@ -171,6 +171,9 @@ def _k8s(args: argparse.Namespace) -> int:
         ps=args.ps,
         module=args.module,
         port=args.port,
+        save_seconds=args.save_seconds,
+        step_seconds=args.step_seconds,
+        grace=args.grace,
     )
     sys.stdout.write(text)
     return 0
@@ -234,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GPU ids to split among this machine's workers, e.g. 0,1,2,3 "
                         "(default: CUDA_VISIBLE_DEVICES, else nvidia-smi; '' for none)")
     launch.add_argument("--grace", type=_number_type(float, "at least 0", lambda v: v >= 0),
-                        default=5.0, metavar="SECONDS",
-                        help="time between forwarding a stop signal and SIGKILL (default 5)")
+                        default=None, metavar="SECONDS",
+                        help="time between forwarding a stop signal and SIGKILL (default: 5, grown to "
+                        "2 x the chief's last backup save + 5 once a save was measured)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
                         help="stop every worker after this long and exit with 124")
     launch.set_defaults(func=_launch)
@@ -267,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                      default=2222, help="the port every task listens on (default 2222)")
     k8s.add_argument("--restart-policy", default=None, choices=["OnFailure", "Always", "Never", "ExitCode"],
                      help="--kind tfjob only: the pods' restart policy (default OnFailure)")
+    k8s.add_argument("--save-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=30.0,
+                     metavar="SECONDS", help="how long a backup takes to save (default 30; measure it: the "
+                     "preemption message says 'saved ... in N s')")
+    k8s.add_argument("--step-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=10.0,
+                     metavar="SECONDS", help="how long a training step takes (default 10)")
+    k8s.add_argument("--grace", type=_positive_int, default=None, metavar="SECONDS",
+                     help="terminationGracePeriodSeconds outright (default: 2 x (step + save) + 5)")
     k8s.set_defaults(func=_k8s)
     return parser
 

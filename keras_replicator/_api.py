@@ -9,6 +9,7 @@ from keras_replicator import (
     errors,
     keras_distribution,
     layers,
+    model_parallel,
     optimizers,
     resume,
     schedules,
@@ -30,6 +31,7 @@ from keras_replicator.errors import (
     DeviceConfigurationError,
     WorkerLostError,
 )
+from keras_replicator.model_parallel import logical_device
 from keras_replicator.optimizers import CrossReplicaOptimizer, wrap_optimizer
 from keras_replicator.saving import save_model
 from keras_replicator.strategy import ReplicatorStrategy
@@ -59,6 +61,8 @@ __all__ = [
     "keras_distribution",
     "layers",
     "local_devices",
+    "logical_device",
+    "model_parallel",
     "num_replicas",
     "optimizers",
     "replica_id",

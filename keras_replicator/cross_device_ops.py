@@ -131,8 +131,8 @@ def default_cross_device_ops(devices: Sequence[str] | None) -> tf.distribute.Cro
     share memory, and TensorFlow hands a tensor from one to another without a
     copy, so summing on the first device and giving every replica the result
     (`ReductionToOneDevice`, with `_sum_on_host`) beats TensorFlow's
-    default there, a collective ring, by 2-8x in bandwidth (1-64 MB tensors on
-    2-4 devices; see `docs/performance.md`). Batches of small tensors (a
+    default there, a collective ring, in bandwidth (the all-reduce table of
+    `docs/performance.md`, from `benchmarks/results/benchmarks.md`). Batches of small tensors (a
     model's gradients) are packed into one reduction
     (`PackedReductionToOneDevice`). Anything else (GPUs, mixed or
     remote devices) returns `None`: TensorFlow's choice, NCCL on GPUs.

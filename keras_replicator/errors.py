@@ -30,6 +30,7 @@ __all__ = [
     "ClusterConfigError",
     "ClusterStartupError",
     "DeviceConfigurationError",
+    "LayoutError",
     "ParameterServerLostError",
     "ReplicaDivergenceError",
     "ResumeError",
@@ -114,4 +115,14 @@ class ResumeError(ValueError):
     the new replica count does not divide the global batch, or the backup stopped
     inside an epoch at an example this run's global batch cannot start a step at.
     The message names the choices.
+    """
+
+
+class LayoutError(ValueError):
+    """A `keras.distribution.LayoutMap` that cannot be applied as written.
+
+    Raised before any step, naming the variable and the rule: a rule that matches no
+    variable, a variable that matches two rules, a layout whose rank is not the
+    variable's, a sharded dimension its mesh axis does not divide, an axis the mesh
+    does not have.
     """

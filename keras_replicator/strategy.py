@@ -23,14 +23,25 @@ are written by the chief only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster, data
 from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
-from keras_replicator._validation import check_bool, check_choice, check_number
+from keras_replicator._validation import (
+    ArgumentError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 from keras_replicator.cross_device_ops import default_cross_device_ops
+from keras_replicator.model_parallel.layout import LayoutRules
+from keras_replicator.model_parallel.mesh import ReplicaMesh
+from keras_replicator.model_parallel.sharding import ModelSharding, StrategyPlacement
 
 _COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -82,6 +93,23 @@ def _normalise_devices(devices) -> list[str]:
     return names
 
 
+def _mesh_shape(rules: LayoutRules, devices_per_replica: int, devices) -> tuple[int, list[str]]:
+    """k and the devices a `LayoutMap`'s mesh gives (its model axis, its devices replica by replica)."""
+    k = rules.model_size
+    if devices_per_replica not in (1, k):
+        raise ArgumentError(
+            f"devices_per_replica={devices_per_replica} differs from the layout_map mesh's model axis "
+            f"({k}): give one or the other."
+        )
+    mesh_devices = rules.mesh_devices()
+    if devices is not None and len(_device_strings(devices)) != len(mesh_devices):
+        raise ArgumentError(
+            f"devices lists {len(_device_strings(devices))} devices but the layout_map's mesh has "
+            f"{len(mesh_devices)} ({rules.axis_sizes}): leave devices out to use the mesh's."
+        )
+    return k, mesh_devices if devices is None else devices
+
+
 def _local_device_names(devices) -> list[str] | None:
     """Checks the form of a multi-worker ``devices=`` argument without starting TensorFlow."""
     if devices is None:
@@ -101,6 +129,14 @@ def _local_device_names(devices) -> list[str] | None:
     if len(set(out)) != len(out):
         raise ValueError(f"devices has duplicates: {names}")
     return out
+
+
+def _check_divides(devices_per_replica: int, devices: list[str]) -> None:
+    if len(devices) % devices_per_replica:
+        raise ArgumentError(
+            f"devices_per_replica={devices_per_replica} must divide the number of local devices, "
+            f"{len(devices)} ({devices}): each replica spans exactly {devices_per_replica} devices."
+        )
 
 
 class _ScopeWithPatches:
@@ -211,6 +247,28 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             that cannot be traced once (it creates variables, or calls
             ``merge_call``) is traced per replica either way, which is logged
             once at INFO level with the reason. See the guide "Performance".
+        devices_per_replica: k, the devices one replica spans (TF-Replicator's
+            logical devices, for models larger than one device): the local
+            devices form M = devices / k replicas, replica ``r``'s logical
+            device ``j`` being device ``r * k + j``, and k must divide the
+            number of local devices (of each worker, on several). Inputs
+            arrive on each replica's logical device 0, where its step runs;
+            `logical_device_for_variables` and `keras_replicator.logical_device`
+            place variables and ops on the others (see the guide "Model
+            parallelism"). Steps are then traced per replica. The default, 1,
+            is data parallelism: one device per replica.
+        layout_map: a ``keras.distribution.LayoutMap`` over a
+            ``keras.distribution.DeviceMesh`` with a model axis ``"model"``
+            (and a data axis ``"batch"``): tensor parallelism as Keras's
+            ``ModelParallel`` describes it. The mesh gives M (the data axis) and
+            k (the model axis, ``devices_per_replica``) and, unless ``devices``
+            is given, the devices (``mesh.devices[r, j]`` is replica r's logical
+            device j). A variable made in the scope whose layout names the model
+            axis is stored as k shards, shard j on logical device j of every
+            replica; ``Dense``, ``EinsumDense``, ``Embedding`` and
+            ``MultiHeadAttention`` compute on the shards (see the guide "Model
+            parallelism: layouts"). A bad layout raises
+            `keras_replicator.errors.LayoutError` before any step.
     """
 
     def __init__(
@@ -225,7 +283,14 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         on_sigterm: str | None = None,
         shard_optimizer_state: bool = False,
         trace_once: bool = True,
+        devices_per_replica: int = 1,
+        layout_map: keras.distribution.LayoutMap | None = None,
     ):
+        devices_per_replica = check_int("devices_per_replica", devices_per_replica, minimum=1)
+        rules = None
+        if layout_map is not None:
+            rules = LayoutRules(layout_map)  # the layouts' errors, before any work
+            devices_per_replica, devices = _mesh_shape(rules, devices_per_replica, devices)
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         trace_once = check_bool("trace_once", trace_once)
         if cross_device_ops is not None and not isinstance(
@@ -255,17 +320,22 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                     "cross_device_ops applies to one machine; in a multi-worker job choose "
                     'communication="ring" or "nccl" instead.'
                 )
+            local_names = _local_device_names(devices)
+            if local_names is not None:
+                _check_divides(devices_per_replica, local_names)  # else checked once the worker's devices are known
             extended = engines.ReplicatorMultiWorkerExtended(
                 self,
                 resolver,
-                devices=_local_device_names(devices),
+                devices=local_names,
                 communication=implementation,
                 failure_timeout=failure_timeout,
                 startup_timeout=startup_timeout,
                 trace_once=trace_once,
+                devices_per_replica=devices_per_replica,
             )
         else:
             device_names = _normalise_devices(devices)
+            _check_divides(devices_per_replica, device_names)
             chosen = cross_device_ops is not None
             if cross_device_ops is None and communication == "auto":
                 cross_device_ops = default_cross_device_ops(device_names)
@@ -276,8 +346,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 communication=None if communication == "auto" else implementation,
                 trace_once=trace_once,
                 cross_device_ops_chosen=chosen,
+                devices_per_replica=devices_per_replica,
             )
         super().__init__(extended)
+        if rules is not None:
+            self.model_sharding = ModelSharding(layout_map, StrategyPlacement(self))
         if self.on_sigterm == "fatal" and self.num_workers > 1:
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
@@ -288,17 +361,72 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             all_reduce = (f"{_announce.all_reduce_name(in_steps, communication)} in steps, "
                           f"{all_reduce} outside them")
         _announce.announce(
-            "ReplicatorStrategy", self.num_replicas_in_sync, self.devices, all_reduce,
+            "ReplicatorStrategy", self.num_replicas_in_sync, self.mesh.devices, all_reduce,
             self.num_workers, self.worker_index,
         )
 
     # Marks the strategies whose Keras integration keras_replicator handles.
     _keras_replicator = True
+    #: The `layout_map`'s layouts in force in the scope (`model_parallel.sharding.ModelSharding`), or None.
+    model_sharding: ModelSharding | None = None
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """The devices of the local replicas, in replica order."""
+        """The devices of the local replicas, in replica order.
+
+        With ``devices_per_replica > 1``, each replica's logical device 0 (where its
+        inputs arrive and its step runs); `mesh` lists them all.
+        """
         return tuple(self.extended.worker_devices)
+
+    @property
+    def devices_per_replica(self) -> int:
+        """k, the devices (logical devices) one replica spans; 1 for data parallelism."""
+        return self.extended.devices_per_replica
+
+    @property
+    def mesh(self) -> ReplicaMesh:
+        """This worker's device grid: its replicas x their logical devices.
+
+        Example:
+            ```python
+            strategy = kr.ReplicatorStrategy(devices_per_replica=2)   # 2 devices: 1 replica
+            strategy.mesh.num_replicas              # 1
+            strategy.mesh.replica_devices(0)        # ('/job:localhost/.../device:CPU:0', '/job:.../device:CPU:1')
+            ```
+        """
+        return self.extended.mesh
+
+    def logical_device_for_variables(self, logical_device: int) -> contextlib.AbstractContextManager:
+        """Variables made in it (and in `scope`) live on logical device `logical_device`.
+
+        Each is a mirrored variable with one copy per replica, on that replica's
+        logical device `logical_device` (TF-Replicator's
+        ``strategy.logical_device_for_variables``); its gradients are summed over
+        its copies, so they stay equal. An optimizer's slots follow their
+        variable. Keras makes a layer's variables when the layer is built: build
+        it in the context. Outside the context variables live on logical device 0.
+        Enter it inside `scope` (a `RuntimeError` says so otherwise: outside the
+        scope variables are TensorFlow's plain ones).
+
+        Example:
+            ```python
+            strategy = kr.ReplicatorStrategy(devices_per_replica=2)   # 1 replica of 2 devices
+            with strategy.scope():
+                first = keras.layers.Dense(8)
+                with strategy.logical_device_for_variables(0):
+                    first.build((None, 4))
+                second = keras.layers.Dense(1)
+                with strategy.logical_device_for_variables(1):
+                    second.build((None, 8))
+            second.kernel.value.values[0].device   # '/job:localhost/replica:0/task:0/device:CPU:1'
+            ```
+
+        Args:
+            logical_device: the index, ``0 .. devices_per_replica - 1``.
+        """
+        self.extended.check_logical_device(logical_device)  # now, not when entered
+        return self.extended.logical_device_for_variables(logical_device)
 
     @property
     def num_workers(self) -> int:
@@ -349,9 +477,12 @@ class ReplicatorStrategy(tf.distribute.Strategy):
                 f"devices={list(self.devices)})"
             )
         sharded = ", shard_optimizer_state=True" if self.shard_optimizer_state else ""
+        k = self.devices_per_replica
+        spans = f", devices_per_replica={k}" if k > 1 else ""
+        devices = self.mesh.devices if k > 1 else self.devices
         return (
             f"ReplicatorStrategy(num_replicas={self.num_replicas_in_sync}, "
-            f"devices={list(self.devices)}{sharded})"
+            f"devices={list(devices)}{spans}{sharded})"
         )
 
     # --- input pipelines (keras_replicator.data) ---------------------------------

@@ -1,7 +1,7 @@
 """XLA under the strategy: compile what each replica computes, keep what crosses replicas out.
 
 `model.compile(..., jit_compile=True)` under `ReplicatorStrategy` compiles
-Keras's train, test and predict steps per replica (see docs/performance.md,
+Keras's train, test and predict steps per replica (see docs/design.md,
 "XLA"). `replica_jit` is the same tool for a custom step: it compiles a
 per-replica function (forward, loss, gradients) with XLA on the replica's own
 device; the cross-replica parts (`kr.all_reduce`, the optimizer's apply, a

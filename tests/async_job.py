@@ -31,6 +31,7 @@ import keras_replicator as kr  # noqa: E402
 
 VOCAB, EMBED = 50, 16
 NUM_EXAMPLES = 512
+BATCH_SIZE = 16  # per worker: each step's batch
 
 
 def data(n: int = NUM_EXAMPLES, seed: int = 0):
@@ -151,18 +152,22 @@ class Progress(keras.callbacks.Callback):
                 time.sleep(0.1)
 
 
+def optimizer() -> keras.optimizers.Optimizer:
+    """fit_mode's optimizer (the test's synchronous reference uses it too).
+
+    SGD(0.3) learns this on one device but diverged once in 4 runs with 2 async workers
+    (staleness); Adam's normalised steps do not."""
+    return keras.optimizers.Adam(0.02)
+
+
 def fit_mode(strategy, out: str) -> dict:
     x, y = data()
     with strategy.scope():
         model = build_model()
-        # SGD(0.3) learns this on one device but diverged once in 4 runs with 2 async workers
-        # (staleness); Adam's normalised steps do not. 4 epochs: after 3, the evaluated loss
-        # was 0.04-0.08 of the first in 6 runs and 0.11 once in CI (the test asks < 0.1);
-        # after 4, 0.017-0.046 in 10 runs.
-        model.compile(keras.optimizers.Adam(0.02), "mse", metrics=["mae"], steps_per_execution=2)
+        model.compile(optimizer(), "mse", metrics=["mae"], steps_per_execution=2)
     report = {"devices": [w.value.device for w in model.weights]}
     before = model.evaluate(x, y, batch_size=64, verbose=0)
-    train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
+    train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=BATCH_SIZE)
     progress = Progress()
     history = model.fit(
         train, epochs=4, steps_per_epoch=15, verbose=0, validation_data=(x[:128], y[:128]),

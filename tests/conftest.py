@@ -10,6 +10,11 @@ process for its own count.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Ray's object store defaults to 30% of the machine's memory (7 GB of 24), shared memory that
+# the tests' Ray instances (a few MB of weights and transitions) never need; bounded so that Ray
+# beside the rest of the suite and other jobs fits the machine. Ray reads it when imported, and
+# the processes the tests start (jobs, notebook kernels) inherit it.
+os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(256 * 2**20))
 
 import keras_replicator as kr  # noqa: E402
 

@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/launched_job.py's data, known to tests/test_launch_training.py without importing
@@ -118,3 +120,47 @@ def assert_chance_agreement(a: np.ndarray, b: np.ndarray, what: str = "") -> Non
     their elements: within 6 standard deviations of 1/2 (identical masks agree on all)."""
     agree = float(np.mean(a == b))
     assert abs(agree - 0.5) < 3.0 / np.sqrt(a.size), f"{what} masks agree on {agree:.3f} of their elements"
+
+
+def committed_backup_metadata(backup_dir) -> dict:
+    """The metadata of the backup a `BackupAndRestore` of keras_replicator's strategies
+    committed last in ``backup_dir`` (`keras_replicator.backup_commits`'s layout)."""
+    import json
+
+    with open(os.path.join(backup_dir, "committed.json")) as f:
+        folder = json.load(f)["backup"]
+    with open(os.path.join(backup_dir, folder, "training_metadata.json")) as f:
+        return json.load(f)
+
+
+# --- Ray in tests -------------------------------------------------------------------------
+
+# Set (to a value of the test's own) in the environment of the process that starts Ray: Ray's
+# servers inherit it, which tells them from another job's Ray on the same machine.
+RAY_OWNER_ENV = "KR_TEST_RAY_OWNER"
+
+
+def own_ray_servers(owner: str) -> list[int]:
+    """The Ray servers (raylet, gcs_server) alive whose environment has ``RAY_OWNER_ENV=owner``.
+
+    Not "every Ray server that appeared meanwhile": another job's Ray, or another pytest process
+    of the suite's, may start during the test (a shared machine)."""
+    found = []
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] not in ("raylet", "gcs_server"):
+            continue
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(RAY_OWNER_ENV) == owner:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def wait_for_no_ray_servers(owner: str, timeout: float = 30) -> list[int]:
+    """Waits until none of ``owner``'s Ray servers is left (after `ray.shutdown`, they may take a
+    moment to exit on a busy machine); returns those still alive at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := own_ray_servers(owner)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left

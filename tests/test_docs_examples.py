@@ -6,15 +6,23 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, python_blocks, run_markdown_example
+from tests.helpers import ROOT, python_blocks, run_markdown_example, run_python
 
 pytestmark = pytest.mark.devices(1)  # each example sets up its own devices in a subprocess
 
 
-def test_readme_usage_example():
+def test_readme_gpu_quickstart_runs_without_simulated_devices():
     blocks = python_blocks("README.md")
     assert "kr.ReplicatorStrategy()" in blocks[0] and "model.fit" in blocks[0]
+    assert "simulate_devices" not in blocks[0]  # all local GPUs; here, the one CPU device
     result = run_markdown_example("README.md", 0)
+    assert "loss" in result.stdout
+
+
+def test_readme_usage_example():
+    blocks = python_blocks("README.md")
+    assert "kr.simulate_devices(4)" in blocks[1] and "model.fit" in blocks[1]
+    result = run_markdown_example("README.md", 1)
     assert "loss" in result.stdout
 
 
@@ -25,8 +33,8 @@ def test_primitives_guide_example():
 
 def test_readme_custom_loop_example():
     blocks = python_blocks("README.md")
-    assert "strategy.run(replica_step" in blocks[1]
-    result = run_markdown_example("README.md", 1)
+    assert "strategy.run(replica_step" in blocks[2]
+    result = run_markdown_example("README.md", 2)
     assert "last loss" in result.stdout
 
 
@@ -35,10 +43,31 @@ def test_index_ten_lines_run_as_shown():
     assert "loss" in result.stdout
 
 
+def test_fault_tolerance_script_runs_alone_and_cleans_its_backup(tmp_path):
+    block = python_blocks("docs/fault_tolerance.md")[0]
+    assert "BackupAndRestore" in block
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[0] == "loss"
+    assert not (tmp_path / "train_backup").exists()  # a finished fit deletes its backup
+
+
 def test_multi_worker_guide_fragments_run_alone():
-    result = run_markdown_example("docs/multi_worker.md", 1)
+    result = run_markdown_example("docs/fault_tolerance.md", 1)
     assert result.stdout.split()[-2:] == ["1", "True"]  # no cluster here: one machine
-    run_markdown_example("docs/multi_worker.md", 2)
+    run_markdown_example("docs/multi_worker.md", 1)
+
+
+def test_keras_distribution_guide_runs_as_written():
+    # Both blocks in one interpreter: the second (RematScope) then runs under the first's
+    # DataParallel, which the guide says works too.
+    blocks = python_blocks("docs/keras_distribution.md")
+    result = run_python(blocks[0] + "\n" + blocks[1], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remat loss" in result.stdout
 
 
 def test_contributing_and_optimizer_pieces_snippets():
@@ -71,6 +100,8 @@ RUN_ELSEWHERE = {
     ("docs/kerashub.md", 0): "tests/test_kerashub.py",
     ("docs/kerashub.md", 1): "tests/test_kerashub.py",
     ("docs/kubernetes.md", 0): "tests/test_kubernetes.py",
+    ("docs/model_parallel.md", 0): "tests/test_model_parallel_devices.py",
+    ("docs/model_parallel.md", 1): "tests/test_model_parallel_layouts.py",
     ("docs/multi_worker.md", 0): "tests/test_multi_worker.py",
     ("docs/optimizers.md", 0): "tests/test_optimizers.py",
     ("docs/optimizers.md", 1): "tests/test_optimizers.py",
@@ -78,9 +109,11 @@ RUN_ELSEWHERE = {
     ("docs/ray.md", 1): "tests/test_ray_train.py",
 }
 RUN_HERE = {
-    ("README.md", 0), ("README.md", 1), ("docs/index.md", 0), ("docs/primitives.md", 0),
-    ("docs/contributing.md", 0), ("docs/optimizers.md", 2), ("docs/multi_worker.md", 1),
-    ("docs/multi_worker.md", 2), ("docs/sngan.md", 0), ("docs/memory.md", 0),
+    ("README.md", 0), ("README.md", 1), ("README.md", 2), ("docs/index.md", 0),
+    ("docs/primitives.md", 0), ("docs/contributing.md", 0), ("docs/optimizers.md", 2),
+    ("docs/fault_tolerance.md", 0), ("docs/fault_tolerance.md", 1), ("docs/multi_worker.md", 1),
+    ("docs/sngan.md", 0), ("docs/memory.md", 0), ("docs/keras_distribution.md", 0),
+    ("docs/keras_distribution.md", 1),
 }
 
 

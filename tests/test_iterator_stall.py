@@ -4,7 +4,7 @@ Keras makes a new iterator over the distributed dataset every epoch (every `fit`
 call) and drops the previous one. Under TensorFlow's defaults, dropping it joins
 one tf.data autotuning thread per replica, and a join could wait for the rest
 of that thread's autotuning period, which doubles with the iterator's age
-(0.3-20 s; docs/performance.md, "The stall at every epoch"). Each test lets its
+(0.3-20 s; docs/design.md, "The stall at every epoch"). Each test lets its
 iterators live `_LIFETIME` seconds, so that a stall, when it happens, costs up
 to about that long, while dropping an iterator otherwise takes milliseconds
 (10-20 ms measured with the machine's load average at 10-13, 5-8 ms on a quiet
@@ -20,7 +20,7 @@ autotuning (`_compat/host_iterator.py`); elsewhere (GPUs, non-default input opti
 through TensorFlow's per-device pipelines, made without it
 (`_compat/multi_device_iterator.py`): one test each. `KR_TEST_STALL_UNFIXED=1`
 turns keras_replicator's fixes off in this process (TensorFlow's own iterators), to
-see these tests fail (docs/performance.md says how they did).
+see these tests fail (docs/design.md, "The stall at every epoch").
 """
 
 from __future__ import annotations

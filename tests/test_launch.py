@@ -326,20 +326,29 @@ def test_a_second_signal_kills_at_once(tmp_path):
 
 
 FAIL_ONCE = """
-    import os, sys
+    import os, sys, time
     index = int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
     restart = int(os.environ["KERAS_REPLICATOR_RESTART_COUNT"])
     print("worker", index, "restart", restart, "config", os.environ["TF_CONFIG"])
+    printed = os.environ.get("PRINTED")  # a folder: worker 0 says there that it has printed
+    if printed and index == 0:
+        open(os.path.join(printed, str(restart)), "w").close()
     if index == 1 and restart < {failures}:
+        deadline = time.monotonic() + 60  # with PRINTED, fails once worker 0 has printed
+        while printed and not os.path.exists(os.path.join(printed, str(restart))) and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("failing on purpose")
         sys.exit(3)
 """
 
 
 def test_max_restarts_restarts_every_worker_until_success(tmp_path):
+    (printed := tmp_path / "printed").mkdir()
     out = io.StringIO()
+    # Worker 1 fails once worker 0 has printed its line (the launcher then stops worker 0, whatever
+    # it has done): each start's line is there however slowly the workers start.
     code = launch(script(tmp_path, FAIL_ONCE.format(failures=2)), workers=2, max_restarts=2, output=out,
-                  grace=1)
+                  grace=1, env={"PRINTED": str(printed)})
     text = out.getvalue()
     assert code == 0, text
     assert "[launcher] restarting every worker (restart 1 of 2)" in text
@@ -519,23 +528,35 @@ def test_each_local_worker_gets_its_gpus(tmp_path, monkeypatch):
 
 
 BROKEN_GPU = """
-    import json, os, sys, time
+    import glob, json, os, sys, time
     config = json.loads(os.environ["TF_CONFIG"])
-    gpu = os.environ["CUDA_VISIBLE_DEVICES"]
-    print("worker", os.environ["KERAS_REPLICATOR_WORKER_INDEX"], "restart",
-          os.environ["KERAS_REPLICATOR_RESTART_COUNT"], "gpu", gpu, "of", len(config["cluster"]["worker"]),
-          "index", config["task"]["index"])
+    gpu, restart = os.environ["CUDA_VISIBLE_DEVICES"], os.environ["KERAS_REPLICATOR_RESTART_COUNT"]
+    workers = len(config["cluster"]["worker"])
+    print("worker", os.environ["KERAS_REPLICATOR_WORKER_INDEX"], "restart", restart, "gpu", gpu, "of",
+          workers, "index", config["task"]["index"])
+    printed = os.environ.get("PRINTED")  # a folder: each worker says there that it has printed
+    if printed:
+        open(os.path.join(printed, f"{restart}-{gpu}"), "w").close()
     if gpu in os.environ.get("BROKEN", "").split(","):
-        sys.exit(int(os.environ.get("CODE", "5")))  # its GPU is broken: it fails at every start
+        # Its GPU is broken: it fails at every start; with PRINTED, once every worker of this start
+        # has printed (the launcher stops the others when it fails, whatever they have done).
+        deadline = time.monotonic() + 120
+        while printed and len(glob.glob(os.path.join(printed, f"{restart}-*"))) < workers \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(int(os.environ.get("CODE", "5")))
     time.sleep(1)
 """
 
 
 def test_an_elastic_job_goes_on_without_a_worker_that_keeps_failing(tmp_path):
-    logs = tmp_path / "logs"
+    logs, printed = tmp_path / "logs", tmp_path / "printed"
+    printed.mkdir()
     out = io.StringIO()
+    # Worker 1 fails once the others of its start have printed their first line (PRINTED), so
+    # that every start's line is in its slot's log however slowly the workers start.
     code = launch(script(tmp_path, BROKEN_GPU), workers="2:3", max_restarts=3, gpus=["0", "1", "2"],
-                  env={"BROKEN": "1"}, log_dir=str(logs), output=out, grace=1)
+                  env={"BROKEN": "1", "PRINTED": str(printed)}, log_dir=str(logs), output=out, grace=1)
     text = out.getvalue()
     assert code == 0, text
     # Start 0 and restart 1: 3 workers, worker 1 (GPU 1) fails first both times; then it is left out.
@@ -585,14 +606,43 @@ PS_TASK = """
     if job == "worker" and index == 1 and restart == 0:
         sys.exit(4)  # dies once
     if job == "chief":
+        # Waits until every task named has started (its file exists), and with CHIEF_WAITS_FOR_EXIT
+        # until it has also exited (a zombie, or gone): the chief's end stops the others.
         deadline = time.monotonic() + 60
-        while not glob.glob(os.path.join(here, os.environ.get("CHIEF_WAITS_FOR", "worker1-1-*"))) \
-                and time.monotonic() < deadline:
+        patterns = os.environ.get("CHIEF_WAITS_FOR", "worker1-1-*,worker0-0-*,ps0-0-*").split(",")
+        while not all(glob.glob(os.path.join(here, p)) for p in patterns) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if os.environ.get("CHIEF_WAITS_FOR_EXIT"):
+            for name in (n for p in patterns for n in glob.glob(os.path.join(here, p))):
+                stat = f"/proc/{{name.rsplit('-', 1)[1]}}/stat"
+                while os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "Z" \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.05)
         time.sleep(float(os.environ.get("CHIEF_THEN_SLEEPS", "0")))
         print("chief done")
         sys.exit(0)
     time.sleep(120)  # workers and ps tasks serve until they are stopped
+"""
+
+
+EVERY_WORKER_FAILS = """
+    import json, os, sys, time
+    if json.loads(os.environ["TF_CONFIG"])["task"]["type"] != "worker":
+        time.sleep(120)
+    here, mine = {here!r}, int(os.environ["KERAS_REPLICATOR_WORKER_INDEX"])
+    if mine == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(here, "worker0")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stat = "/proc/" + open(os.path.join(here, "worker0")).read() + "/stat"
+        while os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "Z" \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        with open(os.path.join(here, "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(here, "pid"), os.path.join(here, "worker0"))
+    sys.exit(5)
 """
 
 
@@ -622,19 +672,23 @@ def test_parameter_server_job_restarts_a_failed_worker_alone(tmp_path):
     # Without restarts left, the job goes on without the worker: the chief finishes it.
     (here2 := tmp_path / "again").mkdir()
     out = io.StringIO()
+    # The chief ends 2 s after worker 1 has exited: the launcher (which looks every 0.05 s) has
+    # seen it by then.
     assert launch(script(tmp_path, PS_TASK.format(here=str(here2)), "ps2.py"), workers=2, ps=1, grace=1,
-                  output=out, env={"CHIEF_WAITS_FOR": "worker1-0-*", "CHIEF_THEN_SLEEPS": "2"}) == 0
+                  output=out, env={"CHIEF_WAITS_FOR": "worker1-0-*", "CHIEF_WAITS_FOR_EXIT": "1",
+                                   "CHIEF_THEN_SLEEPS": "2"}) == 0
     text = out.getvalue()
     assert ("[launcher] worker 1 exited with code 4; the job goes on without it (the chief runs its "
             "steps on the other workers)") in text
     assert text.index("the job goes on without it") < text.index("[chief 0] chief done")
     assert "[launcher] the chief finished; stopping the workers and ps tasks" in text
     # Unless it was the last worker: nothing would run the chief's steps.
-    every_worker_fails = "import json, os, sys, time\nif json.loads(os.environ['TF_CONFIG'])['task']['type'] == " \
-                         "'worker':\n    time.sleep(0.5 * int(os.environ['KERAS_REPLICATOR_WORKER_INDEX']))\n" \
-                         "    sys.exit(5)\ntime.sleep(120)\n"
+    # Worker 1 fails once worker 0 has exited (whichever starts first), so the launcher sees
+    # worker 0's failure first.
+    (here4 := tmp_path / "every").mkdir()
     out = io.StringIO()
-    assert launch(script(tmp_path, every_worker_fails, "ps4.py"), workers=2, ps=1, grace=1, output=out) == 5
+    assert launch(script(tmp_path, EVERY_WORKER_FAILS.format(here=str(here4)), "ps4.py"), workers=2, ps=1,
+                  grace=1, output=out) == 5
     assert "[launcher] worker 0 exited with code 5; the job goes on without it" in out.getvalue()
     assert ("[launcher] worker 1 exited with code 5; stopping the others (no worker is left)"
             in out.getvalue())
@@ -689,11 +743,12 @@ def test_the_command_line_imports_no_tensorflow(tmp_path, command):
     # ... and the package still imports it when used.
     if command == ["--help"]:
         # A program's `import keras_replicator` imports it all (registering the package's Keras
-        # objects for load_model); only the command line defers it.
+        # objects for load_model); only the command line defers it. The time limit is for a hang
+        # only: importing TensorFlow took over 120 s at a load average of 20.
         check = subprocess.run(
             [sys.executable, "-c", "import sys, keras_replicator as kr; "
              "print('tensorflow' in sys.modules, sorted(kr.__all__) == sorted(set(dir(kr)) & set(kr.__all__)))"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120)
+            cwd=ROOT, capture_output=True, text=True, timeout=400)
         assert check.stdout.split() == ["True", "True"], check.stderr[-2000:]
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from keras_replicator import launch as launcher
-from tests.helpers import ROOT, dense_model, regression_data
+from tests.helpers import ROOT, committed_backup_metadata, dense_model, regression_data
 
 # The jobs run in their own processes; this process only holds the one-device reference. In
 # the 2-device process, which runs beside the 1-device one, its waiting overlaps other tests.
@@ -105,17 +105,15 @@ def test_sigterm_in_one_process_saves_mid_epoch_and_the_rerun_resumes_at_that_st
         first, killed = [_finish(p) for p in processes]
     assert first.returncode == 143, first.stdout[-4000:]
     assert "SIGTERM (preemption): stopped after step 4 of epoch 1, saved to" in first.stdout
-    with open(saving / "backup" / "training_metadata.json") as f:
-        metadata = json.load(f)
+    metadata = committed_backup_metadata(saving / "backup")
     assert metadata["epoch"] == 1 and metadata["keras_replicator_step_in_epoch"] == 4, metadata
     assert _steps(saving) == ALL_STEPS[:STEPS + 4]
 
     assert killed.returncode == -signal.SIGTERM, killed.stdout[-4000:]
     assert "sending SIGTERM" in killed.stdout and "preemption" not in killed.stdout
     assert _steps(fatal) == ALL_STEPS[:STEPS + 3]  # the step that was running never finished
-    with open(fatal / "backup" / "training_metadata.json") as f:
-        metadata = json.load(f)  # Keras's own epoch-end backup only (and where its data stands)
-    assert {k: v for k, v in metadata.items() if k != "keras_replicator_data"} == {"epoch": 1, "batch": 0}
+    metadata = committed_backup_metadata(fatal / "backup")  # Keras's own epoch-end backup only
+    assert {k: v for k, v in metadata.items() if not k.startswith("keras_replicator_")} == {"epoch": 1, "batch": 0}
 
     # Run 2 (a restart): resumes at step 4 of epoch 1; every step once over both runs.
     second = _finish(_start([str(saving)], _env(KERAS_REPLICATOR_RESTART_COUNT="1")))

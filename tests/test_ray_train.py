@@ -65,6 +65,8 @@ def ray():
         assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+        # tests/conftest.py bounds the object store (Ray's default: 30% of the machine's memory).
+        assert ray.cluster_resources()["object_store_memory"] <= int(os.environ["RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES"])
         started = _descendants(os.getpid())
         assert {"raylet", "gcs_server"} <= set(started.values()), started
         yield ray

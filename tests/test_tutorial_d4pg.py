@@ -2,27 +2,21 @@
 that it ships without outputs)."""
 
 import os
-import subprocess
 import time
 
 import pytest
 
 from tests import notebooks
-from tests.helpers import ROOT
+from tests.helpers import RAY_OWNER_ENV, ROOT, wait_for_no_ray_servers
 
 pytestmark = pytest.mark.devices(2)  # the notebook's kernel is its own process with 2 devices
 
 NOTEBOOK = os.path.join(ROOT, "tutorials", "03_d4pg_control.ipynb")
 
 
-def _ray_processes():
-    out = subprocess.run(["ps", "-eo", "pid=,comm="], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines()
-            if line.split()[1] in ("raylet", "gcs_server")}
-
-
 def test_notebook_runs_in_smoke_mode(monkeypatch):
-    before = _ray_processes()
+    owner = f"{os.getpid()}-{time.monotonic_ns()}"  # the kernel's Ray servers inherit it
+    monkeypatch.setenv(RAY_OWNER_ENV, owner)
     monkeypatch.delenv("KR_TEST_DEVICES", raising=False)
     nb = notebooks.execute(NOTEBOOK, env={"PYTHONPATH": ROOT}, timeout=600)
     text = notebooks.stream_text(nb)
@@ -36,7 +30,5 @@ def test_notebook_runs_in_smoke_mode(monkeypatch):
     assert "evaluation returns: [" in text
     assert "within [-2, 2]: True" in text
     assert len(notebooks.images(nb)) == 1
-    deadline = time.monotonic() + 20
-    while _ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _ray_processes() - before
+    # The kernel stopped its Ray: none of its servers is left (another job's may run meanwhile).
+    assert not wait_for_no_ray_servers(owner)

@@ -16,7 +16,7 @@ installed version is outside the range a module was checked on.
 | `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
-| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`) | installed patch, ours only | Keras 3.15 |
+| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; each backup a new folder committed by a pointer written last, the newest whole one restored: `keras_replicator.backup_commits`; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`), `Model.save` / `save_weights` (a temporary file renamed over the target: `keras_replicator.atomic_files`) | installed patch, ours only | Keras 3.15 |
 | `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
 | `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
@@ -27,9 +27,12 @@ installed version is outside the range a module was checked on.
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
+| `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
+| `replica_step_split` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util` | copies the one trace into two functions per replica call: the side effects that need no input (run although an exhausted iterator fails the step, as an inlined call's do), then the rest | TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
 | `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it) | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
+| `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -60,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+from collections.abc import Iterator
 
 # The versions each module was checked on, inclusive: (package, lowest, highest).
 CHECKED: dict[str, tuple[str, str, str]] = {
@@ -82,11 +86,14 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_optimizer": ("keras", "3.15", "3.15"),
     "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
     "parameter_server": ("keras", "3.15", "3.15"),
+    "keras_layouts": ("keras", "3.15", "3.15"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
     "keras_remat": ("keras", "3.15", "3.15"),
     "keras_distribution": ("keras", "3.15", "3.15"),
+    "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
+    "replica_step_split": ("tensorflow", "2.21", "2.21"),
 }
 
 
@@ -129,12 +136,14 @@ def _permanent():
     from keras_replicator._compat import (
         host_iterator,
         keras_checkpointing,
+        keras_layouts,
         keras_optimizer,
         keras_sharded_optimizer,
         keras_trainer,
         keras_xla,
         multi_device_iterator,
         patching,
+        tape_gradient_device,
     )
 
     return patching.Patches([
@@ -149,6 +158,10 @@ def _permanent():
         *multi_device_iterator.PATCHES,
         # One host iterator for the CPU replicas of one worker: no per-device pipelines.
         *host_iterator.PATCHES,
+        # A replica over several devices: each gradient built on its forward op's device.
+        *tape_gradient_device.PATCHES,
+        # LayoutMap shards: the parallel layer rules and the unsharded saving.
+        *keras_layouts.PATCHES,
     ])
 
 
@@ -215,6 +228,11 @@ def _strategy_scope():
                              keras_seed_generator.PATCH])
 
 
-def strategy_scope_patches() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def strategy_scope_patches() -> Iterator[None]:
     """The scoped patches, applied for the outermost of nested strategy scopes."""
-    return _strategy_scope().scope()
+    from keras_replicator._compat import keras_layouts
+
+    # add_weight under a LayoutMap first, so BatchNormalization's patch wraps it.
+    with keras_layouts.ADD_WEIGHT.scope(), _strategy_scope().scope():
+        yield

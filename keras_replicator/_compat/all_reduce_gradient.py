@@ -20,7 +20,8 @@ minutes on 4 simulated replicas. Here dense SUM/MEAN all-reduces reduce
 `stop_gradient` of the inputs (the walk stops there at once) and attach the
 same gradient, an all-reduce of the upstream gradient, one level up. Values and
 gradients are unchanged, second-order gradients included. `IndexedSlices` keep
-TensorFlow's behaviour.
+TensorFlow's behaviour. The `stop_gradient` is placed on its input's device, so a
+value on a replica's logical device j > 0 reaches the all-reduce there.
 """
 
 from __future__ import annotations
@@ -50,12 +51,21 @@ def _cheap_gradient(original):
 
         @tf.custom_gradient
         def reduce(*xs):
-            ys = original(self, reduce_op, [tf.stop_gradient(x) for x in xs], options)
+            ys = original(self, reduce_op, [_stop_gradient_in_place(x) for x in xs], options)
             return ys, lambda *dys: all_reduce(self, reduce_op, list(dys), options)
 
         return tf.nest.pack_sequence_as(value, reduce(*flat))
 
     return all_reduce
+
+
+def _stop_gradient_in_place(x: tf.Tensor) -> tf.Tensor:
+    # On x's device, not the replica's: a replica's values on its other logical
+    # devices (devices_per_replica > 1) are all-reduced where they are.
+    if not x.device:
+        return tf.stop_gradient(x)
+    with tf.device(x.device):
+        return tf.stop_gradient(x)
 
 
 PATCH = ScopedPatch(tf.distribute.ReplicaContext, "all_reduce", _cheap_gradient)

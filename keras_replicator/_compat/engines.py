@@ -9,6 +9,15 @@ TensorFlow 2.16-2.21:
 
 * both: the strategy's `_collective_key_base` (read by the engines' constructors:
   each strategy instance gets its own collective keys);
+* `MirroredExtended._create_variable`'s `colocate_with` (an object with
+  `_devices`): the variables made under `logical_device_for_variables(i)` are
+  mirrored over logical device `i` of every replica (`_LogicalDevices`); reads a
+  mirrored replica context's `_replica_id_in_sync_group` (a Python int);
+* `MirroredExtended._batch_reduce_to`: values whose copies are logical device
+  `j > 0`'s are all-reduced by a `CollectiveAllReduce` over those devices (its
+  own group) where the engine's all-reduce is a collective; reads that object's
+  `_group_size` and `_launchers`, the engine's `_communication_options` and
+  `_collective_keys`;
 * `MirroredExtended._make_collective_ops_with_fallbacks` and
   `_initialize_strategy`: execution-ordered collective keys, an explicit
   `communication=`;
@@ -34,6 +43,7 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import (
     collective_all_reduce_strategy,
+    device_util,
     mirrored_strategy,
 )
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
@@ -41,7 +51,9 @@ from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from keras_replicator import cluster
 from keras_replicator._compat import coordination, replica_trace
 from keras_replicator._compat.collective_launcher import make_control_flow_safe
+from keras_replicator._validation import ArgumentError, check_int
 from keras_replicator.errors import ClusterStartupError, WorkerLostError
+from keras_replicator.model_parallel.mesh import ReplicaMesh
 
 # Each strategy instance gets a disjoint range of collective group keys. Workers
 # of one job create their strategies in the same order, so they agree.
@@ -79,7 +91,7 @@ class _TraceOnce:
 
     def step_all_reduce(self):
         """The cross-device ops that all-reduce inside a step, or None if steps are traced per replica."""
-        if not self.trace_once or len(self.worker_devices) < 2:
+        if not self.trace_once or len(self.worker_devices) < 2 or self.devices_per_replica > 1:
             return None
         return self._kr_collectives()
 
@@ -117,17 +129,149 @@ class _TraceOnce:
         return super()._get_cross_device_ops(value)
 
 
-class ReplicatorExtended(_TraceOnce, mirrored_strategy.MirroredExtended):
+class _Colocation:
+    """What `MirroredExtended._create_variable` reads from `colocate_with`: the devices."""
+
+    def __init__(self, devices):
+        self._devices = tuple(devices)
+
+
+class _LogicalDevices:
+    """What both engines add for a replica that spans several devices (a `ReplicaMesh`).
+
+    TensorFlow's engine sees one device per replica, each replica's logical
+    device 0 (its inputs arrive there, its step runs there); the other logical
+    devices hold the variables made under `logical_device_for_variables(i)`
+    (mirrored over logical device `i` of every replica) and the ops placed with
+    `kr.logical_device(i)`.
+    """
+
+    mesh: ReplicaMesh
+
+    def _kr_init_mesh(self, devices_per_replica: int) -> None:
+        self._kr_devices_per_replica = devices_per_replica
+        self._kr_variable_device: list[int] = []
+
+    def _kr_make_mesh(self, devices, where: str) -> ReplicaMesh:
+        names = [device_util.canonicalize(d) for d in devices]
+        k = self._kr_devices_per_replica
+        if len(names) % k:
+            raise ArgumentError(
+                f"devices_per_replica={k} must divide the number of {where} devices, {len(names)} "
+                f"({names}): each replica spans exactly {k} devices."
+            )
+        self.mesh = ReplicaMesh(names, k)
+        return self.mesh
+
+    @property
+    def devices_per_replica(self) -> int:
+        return self._kr_devices_per_replica
+
+    def check_logical_device(self, index) -> int:
+        k = self._kr_devices_per_replica
+        return check_int("logical_device", index, minimum=0, maximum=k - 1)
+
+    @contextlib.contextmanager
+    def logical_device_for_variables(self, index: int):
+        index = self.check_logical_device(index)
+        strategy = self._container_strategy()
+        if not tf.distribute.has_strategy() or tf.distribute.get_strategy() is not strategy:
+            # Outside the scope, variables are TensorFlow's plain ones, on the default device.
+            raise RuntimeError(
+                "logical_device_for_variables() places the variables made in the strategy's scope: "
+                "enter it inside `with strategy.scope():`."
+            )
+        self._kr_variable_device.append(index)
+        try:
+            yield
+        finally:
+            self._kr_variable_device.pop()
+
+    def _kr_make_logical_collectives(self, base) -> None:
+        """One collective all-reduce per logical device j > 0, over its copies in every replica.
+
+        Why: TensorFlow's collective runs on the replicas' logical devices 0; the
+        gradients of a variable on logical device j would be copied there and back.
+        Only where the step's all-reduce is a collective (several workers, or
+        `communication=` on one machine); made now, in the same order on every worker, so that the
+        group keys agree.
+        """
+        self._kr_logical_ops: dict[int, tf_cross_device_ops.CollectiveAllReduce] = {}
+        self._kr_logical_index: dict[tuple, int] = {}
+        if self._kr_devices_per_replica == 1 or not isinstance(base, tf_cross_device_ops.CollectiveAllReduce):
+            return
+        for j in range(1, self._kr_devices_per_replica):
+            devices = self.mesh.logical_devices(j)
+            self._kr_logical_ops[j] = make_control_flow_safe(tf_cross_device_ops.CollectiveAllReduce(
+                devices=devices, group_size=base._group_size, options=self._communication_options,
+                collective_keys=self._collective_keys))
+            self._kr_logical_index[devices] = j
+
+    def logical_device_launchers(self) -> list:
+        """The launchers of each logical device's collective group (aligned before each step)."""
+        return [list(ops_obj._launchers) for ops_obj in getattr(self, "_kr_logical_ops", {}).values()]
+
+    def _kr_logical_group(self, value) -> int:
+        """j > 0 if `value`'s components are logical device j's, one per replica, and the
+        all-reduce it would take is a collective; else 0 (the engine's own all-reduce)."""
+        if not getattr(self, "_kr_logical_ops", None) or not isinstance(value, tf.distribute.DistributedValues):
+            return 0
+        devices = tuple(device_util.canonicalize(v.device) for v in value.values)
+        j = self._kr_logical_index.get(devices, 0)
+        if j and not isinstance(self._get_cross_device_ops(value), tf_cross_device_ops.CollectiveAllReduce):
+            return 0
+        return j
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        groups: dict[int, list[int]] = {}
+        for i, (value, _) in enumerate(value_destination_pairs):
+            groups.setdefault(self._kr_logical_group(value), []).append(i)
+        if set(groups) <= {0}:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        results: list = [None] * len(value_destination_pairs)
+        for j, members in groups.items():  # in order of first appearance: the same on every worker
+            pairs = [value_destination_pairs[i] for i in members]
+            if j == 0:
+                reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+            else:
+                reduced = self._kr_logical_ops[j].batch_reduce(
+                    reduce_op, pairs, options=self._communication_options.merge(options))
+            for i, value in zip(members, reduced):
+                results[i] = value
+        return results
+
+    def _create_variable(self, next_creator, **kwargs):
+        if kwargs.get("colocate_with") is None and self._kr_variable_device:
+            kwargs["colocate_with"] = _Colocation(self.mesh.logical_devices(self._kr_variable_device[-1]))
+        return super()._create_variable(next_creator, **kwargs)
+
+    def replica_device(self, replica_context, index: int) -> str | None:
+        """The device of logical device `index` of the replica running in `replica_context`.
+
+        None where the replica's id is a tensor (a step traced once: one device per
+        replica, whose ops the trace leaves unplaced).
+        """
+        replica = getattr(replica_context, "_replica_id_in_sync_group", None)
+        if not isinstance(replica, int):
+            return None
+        return self.mesh.device(replica - self._get_replica_id_in_sync_group(0), index)
+
+
+class ReplicatorExtended(_TraceOnce, _LogicalDevices, mirrored_strategy.MirroredExtended):
     """Single-worker replication engine: `MirroredExtended` made safe for Keras 3."""
 
     def __init__(self, container_strategy, devices, cross_device_ops=None, communication=None,
-                 trace_once=True, cross_device_ops_chosen=False):
+                 trace_once=True, cross_device_ops_chosen=False, devices_per_replica=1):
         _give_collective_keys(container_strategy)
         self._kr_init_trace_once(trace_once)
+        self._kr_init_mesh(devices_per_replica)
+        # TensorFlow's replicas are the replicas' logical devices 0.
+        devices = self._kr_make_mesh(devices, "local").input_devices
         self._kr_chosen_ops = cross_device_ops if cross_device_ops_chosen else None
         # Read by _make_collective_ops_with_fallbacks during super().__init__.
         self._kr_communication = communication
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+        self._kr_make_logical_collectives(self._cross_device_ops)
 
     def _make_collective_ops_with_fallbacks(self):
         ops_obj = super()._make_collective_ops_with_fallbacks()
@@ -172,7 +316,9 @@ class ReplicatorExtended(_TraceOnce, mirrored_strategy.MirroredExtended):
         return None
 
 
-class ReplicatorMultiWorkerExtended(_TraceOnce, collective_all_reduce_strategy.CollectiveAllReduceExtended):
+class ReplicatorMultiWorkerExtended(
+    _TraceOnce, _LogicalDevices, collective_all_reduce_strategy.CollectiveAllReduceExtended
+):
     """Multi-worker replication engine: `CollectiveAllReduceExtended` made safe for Keras 3.
 
     Between-graph replication: every worker runs the same program over its local
@@ -193,9 +339,11 @@ class ReplicatorMultiWorkerExtended(_TraceOnce, collective_all_reduce_strategy.C
         failure_timeout: float,
         startup_timeout: float,
         trace_once: bool = True,
+        devices_per_replica: int = 1,
     ):
         _give_collective_keys(container_strategy)
         self._kr_init_trace_once(trace_once)
+        self._kr_init_mesh(devices_per_replica)
         self._kr_devices = devices
         self._kr_failure_timeout = failure_timeout
         self._kr_startup_timeout = startup_timeout
@@ -242,6 +390,7 @@ class ReplicatorMultiWorkerExtended(_TraceOnce, collective_all_reduce_strategy.C
         _joined_cluster = key
         make_control_flow_safe(self._cross_device_ops)
         make_control_flow_safe(self._host_cross_device_ops)
+        self._kr_make_logical_collectives(self._cross_device_ops)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         mine = tf.DeviceSpec.from_string(worker_device)
@@ -263,7 +412,8 @@ class ReplicatorMultiWorkerExtended(_TraceOnce, collective_all_reduce_strategy.C
                     raise ValueError(f"Device {d!r} does not exist on {worker_device}; it has {sorted(known)}.")
             names = self._kr_devices
         kind = "GPU" if "GPU" in names[0] else "CPU"
-        return tuple(f"{worker_device}{n}" for n in names), kind
+        mesh = self._kr_make_mesh([f"{worker_device}{n}" for n in names], f"{worker_device}'s")
+        return mesh.input_devices, kind
 
     @property
     def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:

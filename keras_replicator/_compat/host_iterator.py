@@ -27,8 +27,8 @@ prefetching pipeline per device and starting their iterators took 1.26-1.49 s
 on 4 CPU replicas of a loaded 2-core machine, against 0.19-0.42 s for one host
 iterator (dropping it: 18 ms against 1 ms); per step, the reads cost 2.5 ms
 against 1.0 ms. `fit` of a small CNN, one 8-step epoch at a time, went from
-0.83x to 1.04x the replica-work reference (docs/performance.md, "Where a
-replicated step's time goes"). It also has no per-device tf.data autotuning
+0.83x to 1.04x the replica-work reference (measured by hand then; docs/design.md,
+"The input side"). It also has no per-device tf.data autotuning
 threads, whose join stalled every epoch (`multi_device_iterator`); the host
 iterator is made without autotuning unless the dataset's options ask for it.
 

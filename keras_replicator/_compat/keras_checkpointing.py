@@ -1,11 +1,24 @@
-"""Keras's checkpointing callbacks in multi-worker jobs: only the chief writes.
+"""Keras's checkpointing in multi-worker jobs and its crash consistency: only the chief writes, atomically.
 
 Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
-`on_train_begin`, `on_train_end` (keras.src.callbacks; checked on Keras 3.15), and
-reads `BackupAndRestore`'s private path attributes and `_current_epoch`. Acts only for
-keras_replicator's strategies (the chief-only writes with more than one worker).
-`PATCHES` are installed by `keras_replicator._compat.install()` (undone by
-`uninstall()`): callbacks run outside any strategy scope.
+`on_train_begin`, `on_train_end` (keras.src.callbacks), `Model.save` and
+`Model.save_weights` (keras.src.models.model; checked on Keras 3.15), and reads and
+sets `BackupAndRestore`'s private path attributes, `_current_epoch` and calls its
+`_load_model`. Acts only for keras_replicator's strategies (the chief-only writes
+with more than one worker). `PATCHES` are installed by `keras_replicator._compat.install()`
+(undone by `uninstall()`): callbacks run outside any strategy scope.
+
+Crash consistency (`keras_replicator.backup_commits`): Keras 3.15's `BackupAndRestore`
+writes ``latest.weights.h5`` and then ``training_metadata.json`` in place, so a kill
+during a save leaves a torn backup that every restart fails on. Under our strategies
+each backup is a new folder committed by a pointer written last (the previous one
+stays until then); `on_train_begin` restores the newest whole backup and skips the
+others with one warning (in a multi-worker job every worker restores the chief's
+choice). ``double_checkpoint=True`` keeps the two newest committed backups.
+`Model.save` and `save_weights` of a model built under our strategies (so also
+`ModelCheckpoint`'s files) write a temporary file beside the target and rename it
+(`keras_replicator.atomic_files`): a file appears whole or not at all.
+
 `BackupAndRestore.on_train_begin` also resumes mid-epoch from a backup written
 at a preemption (`preemption`): it hands the step to the trainer's epoch
 iterator (`mid_epoch_resume.resume_current_fit_at`). Every backup the chief writes
@@ -17,16 +30,20 @@ the uninterrupted run's examples, on another number of replicas too
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
+import warnings
 
 import tensorflow as tf
 from keras.src.callbacks import backup_and_restore, model_checkpoint
+from keras.src.models import model as keras_model
 
-from keras_replicator import resume
+from keras_replicator import atomic_files, backup_commits, resume
 from keras_replicator._compat import mid_epoch_resume
 from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours
 
@@ -69,41 +86,28 @@ class _PathsRedirected:
 STEP_KEY = "keras_replicator_step_in_epoch"
 
 
-def save_mid_epoch(backup, epoch: int, step: int, is_chief: bool) -> None:
-    """Writes `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`).
+def save_mid_epoch(backup, epoch: int, step: int) -> None:
+    """Writes and commits `backup`'s files at `step` steps into `epoch` (Keras resumes at `epoch`).
 
-    Sets the private `_current_epoch` (the epoch Keras writes) and adds `STEP_KEY` to
-    the metadata file at `_training_metadata_path`; the weights and optimizer state are
-    written by `_save_model` (patched below: only the chief writes where asked).
+    Sets the private `_current_epoch` (the epoch Keras writes); `STEP_KEY` goes into the
+    metadata before the commit. The weights and optimizer state are written by
+    `_save_model` (patched below: only the chief writes where asked, and commits).
     """
     backup._current_epoch = epoch
-    backup._kr_mid_epoch = True
+    backup._kr_mid_epoch = int(step)
     try:
-        backup._save_model()  # the weights and optimizer state; the chief writes (keras_checkpointing)
+        backup._save_model()
     finally:
         del backup._kr_mid_epoch
-    if is_chief:
-        _update_metadata(backup, {STEP_KEY: int(step)})
 
 
 # Added to the metadata by every backup of our strategies: keras_replicator.resume.data_state.
 DATA_KEY = "keras_replicator_data"
 
 
-def _update_metadata(backup, entries: dict) -> None:
-    with open(backup._training_metadata_path) as f:
-        metadata = json.load(f)
-    metadata.update(entries)
-    with open(backup._training_metadata_path, "w") as f:
-        json.dump(metadata, f)
-
-
 def _read_metadata(backup) -> dict:
-    path = backup._training_metadata_path
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    """The metadata of the backup `on_train_begin` restored ({}: none)."""
+    return getattr(backup, "_kr_restored", None) or {}
 
 
 def read_step_in_epoch(backup) -> int:
@@ -131,7 +135,7 @@ def data_state(strategy, mid_epoch: bool, fit_iterator) -> dict | None:
 def _data_state(backup, strategy) -> dict:
     """`data_state` for a backup being written: mid-epoch (our preemption save, or Keras's
     integer ``save_freq``, whose restore restarts the running epoch), else at an epoch's end."""
-    mid_epoch = getattr(backup, "_kr_mid_epoch", False) or isinstance(backup.save_freq, int)
+    mid_epoch = getattr(backup, "_kr_mid_epoch", None) is not None or isinstance(backup.save_freq, int)
     return data_state(strategy, mid_epoch, getattr(backup, "_kr_fit_iterator", None))
 
 
@@ -167,6 +171,62 @@ _BR_PATHS = ("backup_dir", "_weights_path", "_training_metadata_path", "_prev_we
              "_prev_training_metadata_path")
 
 
+def _backups(callback) -> backup_commits.BackupDirectory:
+    # Keras's double_checkpoint ("save 2 last training states"): the two newest committed backups.
+    return backup_commits.BackupDirectory(str(callback.backup_dir), keep=2 if callback.double_checkpoint else 1)
+
+
+@contextlib.contextmanager
+def _kill_point_in_weights(model):
+    """The test hook's "weights" stage: when the optimizer's state is about to be written
+    (the weights file begun, not whole). Only while the hook's variable is set."""
+    optimizer = getattr(model, "optimizer", None)
+    if not os.environ.get(atomic_files.KILL_ENV) or optimizer is None:
+        yield
+        return
+    original, own = optimizer.save_own_variables, "save_own_variables" in vars(optimizer)
+
+    def save_own_variables(store):
+        atomic_files.kill_point("weights")
+        return original(store)
+
+    optimizer.save_own_variables = save_own_variables
+    try:
+        yield
+    finally:
+        if own:
+            optimizer.save_own_variables = original
+        else:
+            del optimizer.save_own_variables
+
+
+def _commit_backup(self, original_br_save, state):
+    """The chief's backup: Keras's files written into a new folder, then committed."""
+    started = time.monotonic()
+    backups = _backups(self)
+    staging = backups.stage()
+    saved = {a: getattr(self, a) for a in _BR_PATHS}
+    self.backup_dir = staging.path
+    self._weights_path = self._prev_weights_path = staging.weights_path
+    self._training_metadata_path = self._prev_training_metadata_path = staging.metadata_path
+    try:
+        with _kill_point_in_weights(self.model), _plain_saves():
+            result = original_br_save(self)  # Keras's weights file, then its metadata
+        atomic_files.kill_point("optimizer")  # the weights file whole (weights and optimizer state)
+        metadata = backup_commits.read_json(staging.metadata_path)  # Keras's: the epoch and the batch
+        metadata[DATA_KEY] = state
+        step = getattr(self, "_kr_mid_epoch", None)
+        if step is not None:
+            metadata[STEP_KEY] = step
+        backup = backups.commit(staging, metadata)
+    finally:
+        for a, path in saved.items():
+            setattr(self, a, path)
+    atomic_files.record_save(time.monotonic() - started,
+                             backup.metadata[backup_commits.COMMIT_KEY]["weights_bytes"])
+    return result
+
+
 def _br_save_model(original_br_save):
     def br_save_model(self):
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
@@ -174,11 +234,11 @@ def _br_save_model(original_br_save):
             return original_br_save(self)
         state = _data_state(self, strategy)
         if not multi_worker(strategy) or strategy.is_chief:
+            return _commit_backup(self, original_br_save, state)
+        with _PathsRedirected(self, _BR_PATHS, strategy), _kill_point_in_weights(self.model):
             result = original_br_save(self)
-            _update_metadata(self, {DATA_KEY: state})
-            return result
-        with _PathsRedirected(self, _BR_PATHS, strategy):
-            return original_br_save(self)
+        atomic_files.kill_point("optimizer")
+        return result
 
     return br_save_model
 
@@ -192,12 +252,69 @@ def _br_on_train_end(original_br_end):
     return br_on_train_end
 
 
+def _agree_on_the_chiefs(strategy, code: int) -> int:
+    """The chief's ``code`` on every worker (a sum of [code, 1] from the chief only, divided:
+    independent of how often a worker's value is counted)."""
+    mine = [code, 1] if strategy.is_chief else [0, 0]
+    total, chiefs = (int(v) for v in strategy.reduce("SUM", tf.constant(mine, tf.int64), axis=None))
+    return total // chiefs
+
+
+def _restore(self, strategy) -> None:
+    """Loads the newest whole backup (the chief's choice in a multi-worker job); warns once
+    about the others, and the chief removes them."""
+    backups = _backups(self)
+    whole = backups.complete()
+    in_place = None if whole else backups.in_place_backup()  # Keras's own layout (before this protocol)
+    code = whole[0].number + 2 if whole else 1 if in_place else 0
+    if multi_worker(strategy):
+        code = _agree_on_the_chiefs(strategy, code)
+    # A worker that cannot read the chief's choice restores nothing: `on_train_begin`'s check
+    # of the restored epochs then stops every worker with the reason (not one worker alone).
+    chosen = next((b for b in whole if b.number == code - 2), None)
+    if code == 1 and in_place is None:
+        code = 0
+    paths = {a: getattr(self, a) for a in _BR_PATHS}
+    none = os.path.join(str(self.backup_dir), "none")
+    weights, metadata = ((chosen.weights_path, chosen.metadata_path) if chosen
+                         else in_place if code == 1 else (none, none))
+    self._weights_path, self._training_metadata_path = weights, metadata
+    restored_from = None if weights == none else weights
+    try:
+        self._load_model()
+        self._kr_restored = chosen.metadata if chosen else _in_place_metadata(metadata)
+    except OSError as e:
+        if chosen is not None:
+            raise  # whole by its CRC-32: not a torn file (another model?); Keras's error
+        backups.skipped.append((weights, f"it cannot be opened ({e})"))
+        self._weights_path = self._training_metadata_path = none
+        self._load_model()  # the built-model check only
+        self._kr_restored, restored_from = None, None
+    finally:
+        for a, path in paths.items():
+            setattr(self, a, path)
+    message = backups.skip_message(chosen.path if chosen else restored_from)
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if strategy.is_chief:
+        backups.remove_stale(chosen.number if chosen else None)
+
+
+def _in_place_metadata(path: str) -> dict | None:
+    try:
+        return backup_commits.read_json(path)
+    except Exception:  # OSError, ValueError; tf.io.gfile's errors on object stores
+        return None
+
+
 def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
-        result = original_br_begin(self, logs)
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        if not ours(strategy):
+            return original_br_begin(self, logs)
+        _restore(self, strategy)
         self._kr_fit_iterator = fit_iterator()  # whose data position this fit's backups record
-        step = read_step_in_epoch(self) if ours(strategy) else 0
+        step = read_step_in_epoch(self)
         epoch = int(getattr(self.model, "_initial_epoch", None) or 0)
         if multi_worker(strategy):
             # All equal iff n * sum(e^2) == sum(e)^2 (integers: exact), for epochs and steps.
@@ -212,15 +329,13 @@ def _br_on_train_begin(original_br_begin):
                     "chief writes the backup; backup_dir must be on storage that every worker reads "
                     "(a shared file system or bucket)."
                 )
-        if ours(strategy):
-            _resume(self, strategy, epoch, step)
-        return result
+        _resume(self, strategy, epoch, step)
 
     return br_on_train_begin
 
 
 def _resume(backup, strategy, epoch: int, step: int) -> None:
-    saved = _read_metadata(backup).get(DATA_KEY) if os.path.exists(backup._weights_path) else None
+    saved = _read_metadata(backup).get(DATA_KEY)
     if saved is not None or step:
         resume_fit(strategy, epoch, step, saved)
 
@@ -238,10 +353,71 @@ def resume_fit(strategy, epoch: int, step: int, saved: dict | None) -> None:
     mid_epoch_resume.resume_current_fit_at(epoch, where.step, where.epoch_draw)
 
 
+# `Model.save` and `save_weights` of a model under our strategies write atomically.
+#
+# Why: Keras 3.15 writes the file in place, so a kill during `ModelCheckpoint(save_best_only=True)`
+# leaves the best file half-written. A temporary file beside the target is renamed over it
+# (`atomic_files.write_atomically`). Not for object stores (one upload is whole already), a sharded
+# `save_weights` (several files), `zipped=False` (a folder), or when Keras must ask before
+# overwriting (``overwrite=False`` and the file exists: Keras's own prompt).
+_plain = threading.local()
+
+
+@contextlib.contextmanager
+def _plain_saves():
+    """Inside a backup's folder (committed as a whole): Keras's saves as they are."""
+    _plain.active = True
+    try:
+        yield
+    finally:
+        _plain.active = False
+
+
+def _atomic_target(model, filepath, overwrite: bool, single_file: bool) -> str | None:
+    if getattr(_plain, "active", False) or not single_file or not ours(getattr(model, "_distribute_strategy", None)):
+        return None
+    if not isinstance(filepath, (str, os.PathLike)):
+        return None
+    path = os.fspath(filepath)
+    if atomic_files.is_remote(path) or os.path.isdir(path) or (not overwrite and os.path.exists(path)):
+        return None
+    return path
+
+
+def _atomically(path: str, write) -> None:
+    def write_then_mark(tmp):
+        write(tmp)
+        atomic_files.kill_point("file")  # the test hook: the file written, not yet in place
+
+    atomic_files.write_atomically(path, write_then_mark)
+
+
+def _model_save_weights(original):
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        path = _atomic_target(self, filepath, overwrite, max_shard_size is None)
+        if path is None:
+            return original(self, filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+        _atomically(path, lambda tmp: original(self, tmp, overwrite=True))
+
+    return save_weights
+
+
+def _model_save(original):
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        path = _atomic_target(self, filepath, overwrite, zipped is not False)
+        if path is None:
+            return original(self, filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        _atomically(path, lambda tmp: original(self, tmp, overwrite=True, zipped=zipped, **kwargs))
+
+    return save
+
+
 # Installed by keras_replicator._compat.install(), undone by uninstall().
 PATCHES = (
     ScopedPatch(model_checkpoint.ModelCheckpoint, "_save_model", _mc_save_model),
     ScopedPatch(backup_and_restore.BackupAndRestore, "_save_model", _br_save_model),
     ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_end", _br_on_train_end),
     ScopedPatch(backup_and_restore.BackupAndRestore, "on_train_begin", _br_on_train_begin),
+    ScopedPatch(keras_model.Model, "save_weights", _model_save_weights),
+    ScopedPatch(keras_model.Model, "save", _model_save),
 )

@@ -9,7 +9,9 @@ optimizer made under a keras_replicator strategy with
   optimizer creates its slots.
 * `TFOptimizer.add_variable_from_reference` and `add_variable`: a slot of a
   model variable (found by reference, or by the model variable's name as
-  Adafactor's factored moments are) is created on its owner's device only, as
+  Adafactor's factored moments are) is created on its owner's device only (the
+  owner's logical device that holds the model variable, when a replica spans
+  several devices: `ReplicatorStrategy(devices_per_replica=k)`), as
   one whole variable (TensorFlow's `MirroredExtended._create_variable` places a
   variable on one device when its ``colocate_with`` is a `SingleDevice`). A
   non-scalar variable that belongs to no model variable is refused, naming it.
@@ -91,13 +93,31 @@ class _Plan:
             self.cursor = index + 1
         return None if index is None else self.owners[index]
 
-    def local_device(self, owner: int) -> str | None:
+    def local_device(self, owner: int, logical_device: int = 0) -> str | None:
         local = owner - self.first_replica
-        return self.devices[local] if 0 <= local < len(self.devices) else None
+        if not 0 <= local < len(self.devices):
+            return None
+        if logical_device == 0:
+            return self.devices[local]
+        return self.strategy.extended.mesh.device(local, logical_device)
 
-    def make_slot(self, owner: int, shape, make):
-        """`make(shape)` on the owner's device, or an empty placeholder if it is elsewhere."""
-        device = self.local_device(owner)
+    def logical_device(self, variable) -> int:
+        """The logical device of the replicas that holds `variable` (0 unless a replica spans several)."""
+        mesh = getattr(self.strategy.extended, "mesh", None)
+        variable = _tf_variable(variable)
+        if mesh is None or mesh.devices_per_replica == 1 or not isinstance(
+            variable, tf.distribute.DistributedValues
+        ):
+            return 0
+        first = variable.values[0].device
+        mine = mesh.replica_devices(0)
+        return mine.index(first) if first in mine else 0
+
+    def make_slot(self, owner: int, shape, make, reference=None):
+        """`make(shape)` on the owner's device (the logical device of `reference`'s copies),
+        or an empty placeholder if it is elsewhere."""
+        logical = 0 if reference is None else self.logical_device(reference)
+        device = self.local_device(owner, logical)
         self.placing = True
         try:
             with _on_device(self.strategy, device or self.devices[0]):
@@ -158,7 +178,8 @@ def _add_variable_from_reference(original):
         prefix = getattr(reference_variable, "path", None) or str(reference_variable.name)
         name = f"{prefix.replace('/', '_').replace(':', '_')}_{name or 'var'}"
         return plan.make_slot(owner, reference_variable.shape, lambda shape: self.add_variable(
-            shape, initializer=initializer, dtype=reference_variable.dtype, name=name))
+            shape, initializer=initializer, dtype=reference_variable.dtype, name=name),
+            reference=reference_variable)
 
     return add_variable_from_reference
 
@@ -179,7 +200,7 @@ def _add_variable(original):
                 "add_variable_from_reference(model_variable), or turn sharding off."
             )
         return plan.make_slot(plan.owners[at], shape, lambda shape: original(
-            self, shape, *args, name=name, **kwargs))
+            self, shape, *args, name=name, **kwargs), reference=plan.variables[at])
 
     return add_variable
 
@@ -205,10 +226,13 @@ def _sharded_update(self, grads, variables, learning_rate):
     for grad, var in grads_and_vars:
         owner = plan.owners[plan.index_by_key[self._var_key(var)]]
         copy = var._get() if isinstance(var, tf.distribute.DistributedValues) else var
+        if grad is not None and self.weight_decay is not None and self._use_weight_decay(var):
+            # Every replica decays its own copy (the owner's value replaces the others'), as
+            # unsharded: it needs no data, so it also runs alone in the last step of an epoch
+            # of unknown length, as on one device (`replica_step_split`).
+            lr = tf.cast(self.learning_rate, copy.dtype)
+            copy.assign_sub(copy * tf.cast(self.weight_decay, copy.dtype) * lr)
         if owner == me and grad is not None:
-            if self.weight_decay is not None and self._use_weight_decay(var):
-                lr = tf.cast(self.learning_rate, copy.dtype)
-                copy.assign_sub(copy * tf.cast(self.weight_decay, copy.dtype) * lr)
             self.update_step(grad, copy, learning_rate)
         copies.append(copy)
         owners.append(owner)

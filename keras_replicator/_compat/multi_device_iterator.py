@@ -20,8 +20,8 @@ that doubles after every round (10 ms, 20 ms, ... up to a minute), and checks
 runs the callback that wakes it *before* it sets the cancelled flag, so a
 woken thread that runs at once (likely on 2 busy cores) sees "not cancelled"
 and sleeps again for the rest of the period. With one such thread per replica,
-every new epoch waited 0.3-20 s in modes that double (docs/performance.md,
-"The stall at every epoch": logs, stacks and timings).
+every new epoch waited 0.3-20 s in modes that double (docs/design.md,
+"The stall at every epoch": the cause and the fix).
 
 Disabling autotuning for these datasets changes nothing else: they have nothing
 to tune (TF's own log says "There are no tunable parameters"), the data, its

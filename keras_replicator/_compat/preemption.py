@@ -10,7 +10,9 @@ itself is written by `keras_checkpointing.save_mid_epoch`.
 
 Why: in a multi-worker job TensorFlow's coordination service catches SIGTERM
 (the process keeps running and dies at the SIGKILL after the grace period,
-saving nothing), and Keras's `BackupAndRestore` keeps only the epoch. Here:
+saving nothing), and Keras's `BackupAndRestore` keeps only the epoch. Here
+(the backup is committed atomically, `keras_checkpointing`: a SIGKILL after the grace
+period that lands in the save costs only the work since the previous backup):
 
 * one process: while `fit` runs under our strategy with a `BackupAndRestore`,
   a Python SIGTERM handler records the signal (the previous handler is put back
@@ -174,7 +176,7 @@ class _StopAtPreemption(keras.callbacks.Callback):
             return
         started = time.monotonic()
         if self.backup is not None:
-            keras_checkpointing.save_mid_epoch(self.backup, self.epoch, batch + 1, self.strategy.is_chief)
+            keras_checkpointing.save_mid_epoch(self.backup, self.epoch, batch + 1)
         self.watch.saved()
         where = f"after step {batch + 1} of epoch {self.epoch}"
         what = f"saved to {self.backup.backup_dir!r}" if self.backup is not None else "nothing saved"

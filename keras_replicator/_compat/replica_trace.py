@@ -34,6 +34,10 @@ What it patches or reads, checked on TensorFlow 2.21:
 * `context.function_call_options` (set while the calls are made): the calls'
   Grappler settings, see `_replica_call_options`.
 
+A trace whose side effects include some that need no input is called as two
+functions per replica (`replica_step_split`), so that those run even when the
+inputs never come, as in the inlined step of one device.
+
 What cannot be traced once falls back to TensorFlow's per-replica tracing,
 logged once with the reason: a `merge_call` this module does not replace,
 variables created in the step, per-replica inputs that are not tensors, and
@@ -43,6 +47,7 @@ eager execution (nothing to trace).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -60,7 +65,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import collective_launcher, replica_invariance
+from keras_replicator._compat import collective_launcher, replica_invariance, replica_step_split
 from keras_replicator._compat.patching import Patches, ScopedPatch
 
 _log = logging.getLogger("keras_replicator")
@@ -420,15 +425,17 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     n = len(devices)
     structure, leaves, layout, tensors = _split_inputs(args, kwargs, n)
     swaps = _launcher_swaps(launchers)
-    traced_for: list = [None] * n
-    captures_for: list = [None] * n
+    call_for: list = [None] * n  # each replica's call of its trace: (inputs, captures) -> outputs
     for signature, members in _shape_groups(tensors).items():
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in signature]
         traced = trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers)
         captures = _per_replica_captures(list(traced.captured_inputs), n, registry, swaps)
         _refuse_shared_writes(traced, captures)
+        # What needs no input runs without it, as in an inlined call (`replica_step_split`).
+        split = replica_step_split.split_step(
+            traced, lambda capture: id(capture) in swaps or registry.on_read(capture))
         for d in members:
-            traced_for[d], captures_for[d] = traced, captures[d]
+            call_for[d] = functools.partial(split.call if split else _call_whole(traced), captures=captures[d])
     replica_ids = [extended._get_replica_id_in_sync_group(d) for d in range(n)]
 
     def every_replica():
@@ -442,7 +449,7 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
                     # replica id, one copy per replica again.
                     rid = tf.raw_ops.PlaceholderWithDefault(
                         input=tf.constant(replica_ids[d], tf.int32), shape=[])
-                    outputs.append(traced_for[d]._call_flat([rid, *tensors[d]], captures_for[d]))
+                    outputs.append(call_for[d](rid, tensors[d]))
                 calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
@@ -453,6 +460,13 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     every = tf.function(every_replica, autograph=False, experimental_attributes={"_disable_acd": True})
     outputs = every()
     return distribute_utils.regroup(tuple(outputs))
+
+
+def _call_whole(traced) -> Callable:
+    def call(replica_id, inputs: list, captures: list):
+        return traced._call_flat([replica_id, *inputs], captures)
+
+    return call
 
 
 @contextlib.contextmanager
@@ -530,6 +544,8 @@ def call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launch
     """The replica step on every replica: traced once where it can be, else per replica."""
     if launchers and not getattr(_nested, "depth", 0):
         collective_launcher.align_execution_counters(launchers)
+        for group in getattr(extended, "logical_device_launchers", lambda: ())():
+            collective_launcher.align_execution_counters(group)  # a replica's other devices' groups
     _nested.depth = getattr(_nested, "depth", 0) + 1
     try:
         return _call_for_each_replica(extended, fn, args, kwargs, registry, launchers)
@@ -568,6 +584,10 @@ def _why_per_replica(extended, launchers) -> str | None:
     if launchers is None:
         name = type(getattr(extended, "cross_device_ops", None)).__name__
         return f"its all-reduce ({name}, as chosen) goes through merge_call"
+    k = getattr(extended, "devices_per_replica", 1)
+    if k > 1:
+        # One trace would fix replica 0's logical devices in every replica's call.
+        return f"a replica spans {k} devices (devices_per_replica={k}): ops are placed per replica"
     if getattr(extended._container_strategy(), "shard_optimizer_state", False):
         return "the optimizer state is sharded (each owner updates its own variables)"
     if extended.is_tracing_once:

@@ -2,7 +2,7 @@
 
 Every application that resumes (D4PG, SN-GAN) writes its checkpoint and its records
 through `write_atomically`: the content goes to a temporary file beside the target,
-then `os.replace` puts it in place, so a reader (or a resumed run after a crash) sees
+then `os.replace` puts it in place (`keras_replicator.atomic_files`, with an fsync), so a reader (or a resumed run after a crash) sees
 the old file or the new one, never half of one.
 
 Example:
@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_replicator import atomic_files
+
 __all__ = [
     "read_csv_rows",
     "read_json",
@@ -37,30 +39,14 @@ __all__ = [
 ]
 
 
-def temporary_path(path: str) -> str:
-    """The temporary file beside ``path`` (same folder, same extension: savers that pick
-    the format from the extension, such as Keras's, write the same format)."""
-    folder, name = os.path.split(os.fspath(path))
-    return os.path.join(folder, f".tmp-{name}")
-
-
 def write_atomically(path: str, write: Callable[[str], Any]) -> bool:
-    """``write(tmp)``, then ``tmp`` replaces ``path`` in one step.
+    """``write(tmp)``, then ``tmp`` replaces ``path`` in one step (`keras_replicator.atomic_files`'s).
 
     ``write`` returning ``False`` means it wrote nothing (a worker other than the
     chief, whose saves go elsewhere): then nothing is replaced and this returns
     ``False``; else ``True``.
     """
-    tmp = temporary_path(path)
-    try:
-        if write(tmp) is False:
-            return False
-    except BaseException:
-        if os.path.isfile(tmp):
-            os.remove(tmp)  # half written: the old file stays, and nothing else
-        raise
-    os.replace(tmp, path)
-    return True
+    return atomic_files.write_atomically(path, write)
 
 
 def write_json(path: str, value: Any, **dump_kwargs: Any) -> None:

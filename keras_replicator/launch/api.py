@@ -40,7 +40,7 @@ def launch(
     log_dir: str | None = None,
     tee: str = "all",
     gpus: Sequence[str] | None = None,
-    grace: float = 5.0,
+    grace: float | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     python: str = sys.executable,
@@ -126,7 +126,10 @@ def launch(
         gpus: the GPU ids to split among the local workers
             (``CUDA_VISIBLE_DEVICES`` per worker); ``None`` detects them
             (``CUDA_VISIBLE_DEVICES`` of the launcher, else ``nvidia-smi -L``).
-        grace: seconds between forwarding a stop signal and SIGKILL.
+        grace: seconds between forwarding a stop signal and SIGKILL. ``None``:
+            5 s, grown to ``2 x save + 5`` s once the chief recorded how long a backup
+            takes to save (`keras_replicator.launch.grace`); a grace given and shorter
+            than that is warned about.
         env: extra environment variables for the workers.
         timeout: stop every worker and return 124 after this many seconds.
         python: the interpreter to run the script with.

@@ -65,7 +65,7 @@ class LaunchConfig:
     log_dir: str | None = None
     tee: str = "all"
     gpus: Sequence[str] | None = None
-    grace: float = 5.0
+    grace: float | None = None  # None: 5 s, grown to fit the measured save (launch.grace)
     env: Mapping[str, str] | None = None
     timeout: float | None = None
     python: str = sys.executable
@@ -87,7 +87,8 @@ class LaunchConfig:
             raise ValueError(f"host must be an address such as '127.0.0.1', got {self.host!r}.")
         self._set("max_restarts", check_int("max_restarts", self.max_restarts, minimum=0))
         check_choice("tee", self.tee, ("all", "chief", "none"))
-        self._set("grace", check_number("grace", self.grace, non_negative=True))
+        if self.grace is not None:  # None: 5 s, grown to fit the measured save (launch.grace)
+            self._set("grace", check_number("grace", self.grace, non_negative=True))
         self._set("timeout", check_number("timeout", self.timeout, positive=True, optional=True))
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
             raise ValueError(f"log_dir must be a directory path, got {self.log_dir!r}.")

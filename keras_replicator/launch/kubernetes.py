@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from keras_replicator import jobset as pod
-from keras_replicator._validation import check_int
+from keras_replicator._validation import check_int, check_number
 from keras_replicator.launch.config import _check_module_name
 from keras_replicator.launch.environment import PREEMPTED_EXIT_CODE
+from keras_replicator.launch.grace import grace_for
 
 KINDS = ("jobset", "tfjob", "trainjob")
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -89,6 +90,13 @@ class KubernetesJob:
         python: the interpreter command inside the image.
         module: ``script`` is a module name, run as ``python -m script``.
         port: the port every task listens on (each pod has its own address).
+        save_seconds: how long a backup takes to save (measured: the launcher's
+            ``KERAS_REPLICATOR_SAVE_RECORD``, or the preemption message's "saved ...
+            in N s"); with ``step_seconds`` it sets every pod's
+            ``terminationGracePeriodSeconds`` by `keras_replicator.launch.grace.grace_for`
+            (``2 x (step + save) + 5``), so that a preempted pod's save is not SIGKILLed.
+        step_seconds: how long a training step takes.
+        grace: ``terminationGracePeriodSeconds`` given outright (overrides the rule).
     """
 
     script: str
@@ -105,6 +113,9 @@ class KubernetesJob:
     python: str = "python"
     module: bool = False
     port: int = DEFAULT_PORT
+    save_seconds: float = 30.0
+    step_seconds: float = 10.0
+    grace: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -126,9 +137,21 @@ class KubernetesJob:
         check_int("gpus_per_worker", self.gpus_per_worker, minimum=0)
         check_int("max_restarts", self.max_restarts, minimum=0)
         check_int("port", self.port, minimum=1, maximum=65535)
+        check_number("save_seconds", self.save_seconds, non_negative=True)
+        check_number("step_seconds", self.step_seconds, non_negative=True)
+        check_int("grace", self.grace, minimum=1, optional=True)
         if not isinstance(self.python, str) or not self.python.strip():
             raise ValueError(f"python must be the interpreter command inside the image, got {self.python!r}.")
         self._check_kind()
+
+    def termination_grace(self) -> tuple[int, str]:
+        """Every pod's ``terminationGracePeriodSeconds`` and how it was chosen (for the reader)."""
+        if self.grace is not None:
+            return self.grace, f"terminationGracePeriodSeconds: {self.grace} s, as given (--grace)"
+        seconds = grace_for(self.save_seconds, self.step_seconds)
+        return seconds, (f"terminationGracePeriodSeconds: {seconds} s = 2 x (a step {self.step_seconds:g} s + a "
+                         f"backup save {self.save_seconds:g} s) + 5 s: SIGKILL must not land in the save that "
+                         "SIGTERM starts (--step-seconds, --save-seconds: measure them; --grace sets it outright)")
 
     def _check_kind(self) -> None:
         if self.kind == "tfjob":
@@ -220,7 +243,8 @@ def _job_template(job: KubernetesJob, replicated: pod.ReplicatedJob, container: 
         "backoffLimit": job.max_restarts if alone else 0,
         "podFailurePolicy": pod_failure_policy(replaced_alone=alone),
         # podFailurePolicy requires it (and a failed pod is not restarted in place anyway).
-        "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
+        "template": {"spec": {"restartPolicy": "Never", "containers": [container],
+                              "terminationGracePeriodSeconds": job.termination_grace()[0]}},
     }
 
 
@@ -335,7 +359,8 @@ def tfjob_manifest(job: KubernetesJob) -> dict[str, Any]:
         specs[kind] = {
             "replicas": count,
             "restartPolicy": job.restart_policy or "OnFailure",
-            "template": {"spec": {"containers": [container]}},
+            "template": {"spec": {"containers": [container],
+                                  "terminationGracePeriodSeconds": job.termination_grace()[0]}},
         }
     return {
         "apiVersion": TFJOB_API_VERSION,
@@ -440,6 +465,9 @@ def k8s_manifest(
     ps: int = 0,
     module: bool = False,
     port: int = DEFAULT_PORT,
+    save_seconds: float = 30.0,
+    step_seconds: float = 10.0,
+    grace: int | None = None,
 ) -> str:
     """The manifests (YAML) running ``script`` on ``workers`` pods: a JobSet unless ``kind`` says otherwise.
 
@@ -448,7 +476,8 @@ def k8s_manifest(
     ``ps``) finds the cluster in the pod's environment. With
     ``keras.callbacks.BackupAndRestore`` writing to a volume all pods share, a
     job restarted after a failure (``max_restarts``) resumes from the last
-    saved epoch. See `KubernetesJob` for the arguments.
+    saved epoch. See `KubernetesJob` for the arguments. The YAML begins with a
+    comment saying how every pod's ``terminationGracePeriodSeconds`` was chosen.
 
     Example:
         ```python
@@ -463,5 +492,6 @@ def k8s_manifest(
         script, tuple(args) if not isinstance(args, str) else args, workers=workers, image=image,
         kind=kind, name=name, namespace=namespace, ps=ps, gpus_per_worker=gpus_per_worker,
         max_restarts=max_restarts, restart_policy=restart_policy, python=python, module=module, port=port,
+        save_seconds=save_seconds, step_seconds=step_seconds, grace=grace,
     )
-    return to_yaml(manifests(job))
+    return f"# {job.termination_grace()[1]}\n" + to_yaml(manifests(job))

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -26,8 +28,10 @@ from keras_replicator.launch.environment import (
     DEVICES_PER_WORKER_ENV,
     PREEMPTED_EXIT_CODE,
     RESTART_COUNT_ENV,
+    SAVE_RECORD_ENV,
     WORKER_INDEX_ENV,
 )
+from keras_replicator.launch.grace import SaveRecordWatch
 
 Task = tuple[str, int]  # (job, index): ("worker", 1), ("chief", 0), ("ps", 0)
 
@@ -232,7 +236,8 @@ class Supervisor:
 
     SIGINT, SIGTERM and SIGHUP sent to the launcher meanwhile are forwarded to
     every task; the supervisor waits for them (SIGKILL after ``grace`` seconds,
-    or at once on a second signal) and never returns before them.
+    or at once on a second signal) and never returns before them. ``grace=None``:
+    5 s, grown to fit the chief's measured backup save (`keras_replicator.launch.grace`).
 
     Example:
         ```python
@@ -245,9 +250,12 @@ class Supervisor:
     """
 
     def __init__(self, spec: WorkerSpec, tasks: Sequence[Task], policy: RestartPolicy,
-                 console: Console, grace: float = 5.0, timeout: float | None = None):
+                 console: Console, grace: float | None = None, timeout: float | None = None):
         self.spec, self.tasks, self.policy, self.console = spec, list(tasks), policy, console
-        self.grace, self.timeout = grace, timeout
+        self.timeout = timeout
+        # The chief records each backup's save time in a file `run` makes (atomic_files.record_save);
+        # the watch fits the grace to it, or warns when the grace given is shorter.
+        self.save_record = SaveRecordWatch("", grace, console.say)
         self.chief: Task = ("chief", 0) if policy.parameter_servers else ("worker", 0)
         # Each task's slot: the task it was at the first start, whose GPUs and log it keeps
         # after an elastic job left a worker out and renumbered the others.
@@ -269,6 +277,20 @@ class Supervisor:
             the launcher got signal N, 124 on timeout.
         """
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        record_dir = tempfile.mkdtemp(prefix="keras_replicator_launch_")
+        self.save_record.path = os.path.join(record_dir, "last_save.json")
+        try:
+            return self._run(cluster, deadline)
+        finally:
+            shutil.rmtree(record_dir, ignore_errors=True)
+
+    @property
+    def grace(self) -> float:
+        """Seconds between forwarding a stop signal and SIGKILL (grown to fit a measured save
+        when not given)."""
+        return self.save_record.grace
+
+    def _run(self, cluster: Callable[[], dict[str, list[str]]], deadline: float | None) -> int:
         with self._signals:
             for attempt in range(self.policy.max_restarts + 1):
                 if attempt:
@@ -301,6 +323,8 @@ class Supervisor:
         env = dict(self.spec.env)
         env.update(TF_CONFIG=tf_config(cluster, index, job), PYTHONUNBUFFERED="1",
                    **{RESTART_COUNT_ENV: str(restart)})
+        if self.save_record.path:
+            env[SAVE_RECORD_ENV] = self.save_record.path
         if job == "worker":
             env[WORKER_INDEX_ENV] = str(index)
         if self.spec.devices_per_worker is not None:
@@ -325,6 +349,7 @@ class Supervisor:
         restarts = dict.fromkeys(self.tasks, 0)  # per-task restarts (parameter-server jobs)
         lost: set[Task] = set()  # workers a parameter-server job goes on without
         while True:
+            self.save_record.poll()
             if self._signals.received:
                 signum = self._signals.received[0]
                 self.console.say(f"got {signal.Signals(signum).name}: forwarding it to every worker "
@@ -403,6 +428,7 @@ class Supervisor:
         Returns only when every task has exited and been reaped.
         """
         workers = self._workers
+        self.save_record.poll()
         for w in workers:
             if w.process.poll() is None:
                 w.signal_group(signum)

@@ -1,0 +1,146 @@
+"""The cells of tests/test_equivalence_matrix.py: one training per input x optimizer (not a test module).
+
+Usage::
+
+    python tests/equivalence_matrix_job.py one OUT.json      # one device, no strategy (the reference)
+    python tests/equivalence_matrix_job.py workers OUT_DIR   # each of 2 launched workers x 2 devices
+
+Each cell trains the same 2-layer MLP for 3 epochs of 8 batches of 16 and records
+`optimizer.iterations` and the final weights. The test module imports `train_cells`
+for the paths it runs in its own process (4 replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Inputs: known cardinality (arrays, a batched dataset, repeat() with steps_per_epoch,
+# arrays whose last batch is short) and unknown (a generator, a filtered dataset).
+INPUTS = ("arrays", "dataset", "generator", "filtered", "repeat", "short_last")
+OPTIMIZERS = ("sgd", "adamw", "schedule")
+BATCH, STEPS, EPOCHS, FEATURES = 16, 8, 3, 6
+
+
+def _data(n: int):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1).astype("float32")
+    return x, y
+
+
+def fit_arguments(kind: str) -> dict:
+    """`fit`'s data arguments for the input `kind`."""
+    n = BATCH * STEPS - (BATCH // 2 if kind == "short_last" else 0)  # 7 batches of 16 and one of 8
+    x, y = _data(n)
+    if kind in ("arrays", "short_last"):
+        return dict(x=x, y=y, batch_size=BATCH, shuffle=False)
+    if kind == "dataset":
+        return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    if kind == "repeat":
+        return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat(), steps_per_epoch=STEPS)
+    if kind == "filtered":  # keeps every row, but tf.data no longer knows how many
+        return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH))
+    if kind == "generator":
+        def batches():
+            for i in range(0, n, BATCH):
+                yield x[i:i + BATCH], y[i:i + BATCH]
+
+        spec = (tf.TensorSpec([None, FEATURES]), tf.TensorSpec([None, 1]))
+        return dict(x=tf.data.Dataset.from_generator(batches, output_signature=spec))
+    raise ValueError(kind)
+
+
+def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.05)
+    if kind == "adamw":  # reads iterations: bias correction
+        return keras.optimizers.AdamW(0.01, weight_decay=0.01)
+    # reads iterations: the learning rate halves every 4 steps
+    return keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 4, 0.5, staircase=True))
+
+
+def train_cells(strategy=None, steps_per_execution: int = 1, inputs=INPUTS, optimizers=OPTIMIZERS) -> dict:
+    """{"input/optimizer": {"iterations": int, "weights": [array lists]}} for every cell.
+
+    One model per optimizer, its weights and optimizer variables set back to their
+    first values before each input (a new model per cell would trace its step again).
+    """
+    cells = {}
+    for optimizer in optimizers:
+        keras.utils.set_random_seed(1)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                                      keras.layers.Dense(1)])
+            model.compile(make_optimizer(optimizer), "mse", steps_per_execution=steps_per_execution)
+            model.optimizer.build(model.trainable_variables)
+        first = [v.numpy() for v in model.variables + model.optimizer.variables]
+        for kind in inputs:
+            for variable, value in zip(model.variables + model.optimizer.variables, first):
+                variable.assign(value)
+            model.fit(**fit_arguments(kind), epochs=EPOCHS, verbose=0)
+            cells[f"{kind}/{optimizer}"] = {"iterations": int(model.optimizer.iterations.numpy()),
+                                            "weights": [w.tolist() for w in model.get_weights()]}
+    return cells
+
+
+def train_custom_loop(strategy=None) -> dict:
+    """The generator x AdamW cell in a custom loop: `strategy.run(step, args=(next(iterator),))`
+    inside a `tf.function`, each epoch ended by the `OutOfRangeError` of its last call."""
+    strategy = strategy or tf.distribute.get_strategy()
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        optimizer = make_optimizer("adamw")
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def train(iterator):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(x) - y) ** 2) / BATCH
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        return strategy.run(step, args=next(iterator))
+
+    data = strategy.experimental_distribute_dataset(fit_arguments("generator")["x"])
+    for _ in range(EPOCHS):
+        iterator = iter(data)
+        while True:
+            try:
+                train(iterator)
+            except tf.errors.OutOfRangeError:
+                break
+    return {"iterations": int(optimizer.iterations.numpy()), "weights": [w.tolist() for w in model.get_weights()]}
+
+
+def main(argv: list[str]) -> None:
+    mode, out = argv
+    if mode == "one":
+        results = {"spe1": train_cells(), "spe3": train_cells(steps_per_execution=3),
+                   "loop": {"generator/adamw": train_custom_loop()}}
+        with open(out, "w") as f:
+            json.dump(results, f)
+        return
+    import keras_replicator as kr
+
+    strategy = kr.ReplicatorStrategy()  # the launcher's cluster: 2 workers x 2 devices
+    results = train_cells(strategy)
+    with open(os.path.join(out, f"worker{strategy.worker_index}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
