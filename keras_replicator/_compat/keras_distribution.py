@@ -53,6 +53,11 @@ def _replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
     return set_distribution
 
 
+def layout_map(distribution: Any) -> Any:
+    """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it private)."""
+    return distribution._layout_map
+
+
 def _keras_set_distribution() -> Callable[[Any], None]:
     """Keras's own `set_distribution`, patched or not."""
     return patching.original(importlib.import_module(_MODULES[0]), "set_distribution")
