@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.backup_soak --cost --json benchmarks/results/backup_cost.json
 	$(PY) -m benchmarks.backup_soak --kills 50 --json benchmarks/results/backup_soak.json
 	$(PY) -m benchmarks.remat_memory
+	$(PY) -m benchmarks.model_parallel
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

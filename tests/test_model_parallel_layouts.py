@@ -145,6 +145,22 @@ def test_layout_map_strategy_trains_as_one_device(shape, kind, optimizer, monkey
     assert_bytes_per_device(model, *shape, slots=0 if optimizer == "sgd" else 2)
 
 
+def test_layouts_with_shard_optimizer_state():
+    """(2, 2) with ZeRO-1: each shard's slots on one replica only, weights as one device's."""
+    strategy = kr.ReplicatorStrategy(layout_map=mlp_layout(mesh(2, 2)), shard_optimizer_state=True)
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = compiled(mlp(), "mlp", "adamw")
+    ref = compiled(reference("mlp"), "mlp", "adamw")
+    x, y = data("mlp")
+    for m in (model, ref):
+        m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, ref)
+    slots = 2 * sum(np.prod(v.shape) * 4 for v in model.trainable_weights)   # AdamW's m and v, once
+    counters = 12 * 2                                                        # per replica
+    assert sum(training_bytes_per_device(model)["optimizer"].values()) == slots + counters
+
+
 def test_one_replica_over_four_devices_without_a_strategy():
     """ModelSharding.scope(): an MLP on 4 devices of one process, AdamW (slots beside their shards)."""
     sharding = ModelSharding(mlp_layout(mesh(1, 4)))

@@ -125,22 +125,23 @@ def _embedding_call(original):
 
 
 def _heads_sharded(mha) -> bool:
-    """Whether Q/K/V kernels split the heads (output axis -2) and the output kernel its heads input."""
+    """Whether Q/K/V kernels split their output's heads axis (-2) and the output kernel its input's."""
     if getattr(mha, "_use_gate", False):
         return False
-    k = None
+    counts = set()
     for dense, side in ((mha.query_dense, "out"), (mha.key_dense, "out"), (mha.value_dense, "out"),
                         (mha.output_dense, "in")):
         kernel = _sharded(dense, "_kernel")
-        if kernel is None or k not in (None, kernel.num_shards):
+        if kernel is None:
             return False
-        k = kernel.num_shards
-        x_spec, out_spec = dense.equation.split("->")[0].split(",")[0], dense.equation.split("->")[1]
-        spec = out_spec if side == "out" else x_spec
-        letter = dense.equation.split("->")[0].split(",")[1][kernel.axis]
+        counts.add(kernel.num_shards)
+        inputs, output = dense.equation.split("->")
+        x_spec, kernel_spec = inputs.split(",")
+        spec = output if side == "out" else x_spec
+        letter = kernel_spec[kernel.axis]
         if letter not in spec or len(spec) - spec.index(letter) != 2:
             return False
-    return True
+    return len(counts) == 1
 
 
 def _bias_slice(bias, j: int, k: int):

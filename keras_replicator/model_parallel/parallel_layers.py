@@ -99,8 +99,18 @@ def einsum_dense(equation: str, x, kernel: ShardedVariable, bias=None,
 
 
 def dense(x, kernel: ShardedVariable, bias=None, activation: Callable | None = None):
-    """`Dense` on a sharded kernel: column-parallel (axis 1) or row-parallel (axis 0)."""
-    return einsum_dense("...i,io->...o", x, kernel, bias, activation)
+    """`Dense` on a sharded kernel: column-parallel (axis 1) or row-parallel (axis 0).
+
+    `ops.matmul`, as `Dense` itself: TensorFlow's einsum with an ellipsis made the
+    step about 50 times slower than the matmul (measured on CPU).
+    """
+    parts = []
+    xs = tf.split(x, kernel.num_shards, axis=-1) if kernel.axis == 0 else [x] * kernel.num_shards
+    for j, shard in enumerate(kernel.shards):
+        with kernel.placement.ops(j):
+            parts.append(ops.matmul(xs[j], shard.value))
+    y = tf.concat(parts, axis=-1) if kernel.axis == 1 else tf.add_n(parts)
+    return _finish(y, bias, activation)
 
 
 def embedding(ids, table: ShardedVariable, dtype: str):

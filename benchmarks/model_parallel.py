@@ -1,0 +1,220 @@
+"""Tensor parallelism from a Keras LayoutMap: bytes per device and step time, against replicated.
+
+``python -m benchmarks.model_parallel [--quick] [--out DIR]`` (not run in the suite)
+
+On 8 simulated CPU devices, a GPT-style transformer (token and position embeddings,
+pre-norm blocks of `MultiHeadAttention` and a GELU FFN, an output projection) with
+AdamW, under four configurations, each in a fresh interpreter:
+
+* ``replicated``: `ReplicatorStrategy()`, 8 replicas;
+* ``zero1``: `ReplicatorStrategy(shard_optimizer_state=True)`, 8 replicas;
+* ``tp1x8`` and ``tp2x4``: `ReplicatorStrategy(layout_map=...)` with Megatron's
+  layout (embeddings by vocabulary, Q/K/V by heads, the attention output and the
+  FFN's second kernel row-parallel, its first and the output projection
+  column-parallel) on meshes (1, 8) and (2, 4).
+
+Two models:
+
+* ``large`` (about 110M parameters): bytes per device of weights, gradients at rest
+  and AdamW's state, summed from where each variable lives
+  (`kr.model_parallel.training_bytes_per_device`) after the optimizer is built, no
+  step. Its replicated and ZeRO-1 rows would hold 8 copies of every weight (about
+  10 GB for replicated): on this shared 24 GB machine they are computed from the
+  parameter count instead (every variable on every device; ZeRO-1's slots 1/8 each),
+  and the ``small`` model checks that formula against the measured bytes.
+* ``small`` (about 5M parameters): the same bytes, all measured, and the median
+  step time of `fit` (global batch 16, sequence 64) of each configuration, the
+  configurations' processes taking turns (replicated first and last).
+
+Writes ``model_parallel.json`` and ``model_parallel.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("replicated", "zero1", "tp1x8", "tp2x4")
+MODELS = {
+    # vocabulary, d_model, layers, heads, FFN width, sequence
+    "large": dict(vocab=16384, d=768, layers=12, heads=12, ffn=3072, seq=64),
+    "small": dict(vocab=4096, d=256, layers=4, heads=8, ffn=1024, seq=64),
+}
+MIB = 2**20
+
+
+def transformer(vocab: int, d: int, layers: int, heads: int, ffn: int, seq: int):
+    """A GPT-style transformer of Keras layers (causal attention, pre-norm)."""
+    import keras
+
+    ids = keras.Input((seq,), dtype="int32")
+    positions = keras.ops.zeros_like(ids) + keras.ops.arange(seq, dtype="int32")
+    x = keras.layers.Embedding(vocab, d, name="token")(ids)
+    x = x + keras.layers.Embedding(seq, d, name="position")(positions)
+    for i in range(layers):
+        h = keras.layers.LayerNormalization(name=f"block{i}_norm1")(x)
+        x = x + keras.layers.MultiHeadAttention(heads, d // heads, name=f"block{i}_mha")(
+            h, h, use_causal_mask=True)
+        h = keras.layers.LayerNormalization(name=f"block{i}_norm2")(x)
+        h = keras.layers.Dense(ffn, activation="gelu", name=f"block{i}_ffn_in")(h)
+        x = x + keras.layers.Dense(d, name=f"block{i}_ffn_out")(h)
+    x = keras.layers.LayerNormalization(name="final_norm")(x)
+    return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x))
+
+
+def megatron_layout(mesh):
+    """Megatron's splits as a Keras LayoutMap."""
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["token/embeddings"] = ("model", None)
+    layout_map[".*mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map[".*mha/(query|key|value)/bias"] = ("model", None)
+    layout_map[".*mha/attention_output/kernel"] = ("model", None, None)
+    layout_map[".*ffn_in/kernel"] = (None, "model")
+    layout_map[".*ffn_in/bias"] = ("model",)
+    layout_map[".*ffn_out/kernel"] = ("model", None)
+    layout_map["logits/kernel"] = (None, "model")
+    layout_map["logits/bias"] = ("model",)
+    return layout_map
+
+
+def strategy_for(config: str):
+    import keras
+
+    import keras_replicator as kr
+
+    if config == "replicated":
+        return kr.ReplicatorStrategy()
+    if config == "zero1":
+        return kr.ReplicatorStrategy(shard_optimizer_state=True)
+    data, model = (1, 8) if config == "tp1x8" else (2, 4)
+    mesh = keras.distribution.DeviceMesh((data, model), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+    return kr.ReplicatorStrategy(layout_map=megatron_layout(mesh))
+
+
+def run_config(config: str, model_name: str, steps: int) -> dict:
+    """In a fresh interpreter with 8 devices: bytes per device, then (steps > 0) step times."""
+    import keras
+    import numpy as np
+
+    import keras_replicator as kr
+
+    spec = MODELS[model_name]
+    strategy = strategy_for(config)
+    with strategy.scope():
+        model = transformer(**spec)
+        model.compile(keras.optimizers.AdamW(1e-4),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.optimizer.build(model.trainable_variables)
+    parts = kr.model_parallel.training_bytes_per_device(model)
+    out = {"config": config, "model": model_name,
+           "params": int(sum(np.prod(v.shape) for v in model.trainable_weights)),
+           "bytes": {name: sorted(part.values()) for name, part in parts.items()}}
+    if steps:
+        times = []
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                self.start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                times.append(time.perf_counter() - self.start)
+
+        rng = np.random.default_rng(0)
+        n = 16 * (steps + 2)
+        x = rng.integers(0, spec["vocab"], (n, spec["seq"]))
+        model.fit(x, np.roll(x, -1, axis=1), batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[Clock()])
+        out["step_seconds"] = statistics.median(times[2:])
+    return out
+
+
+_CHILD = r"""
+import json, sys
+import keras_replicator as kr
+kr.simulate_devices(8)
+from benchmarks.model_parallel import run_config
+print("RESULT " + json.dumps(run_config(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+"""
+
+
+def _child(config: str, model_name: str, steps: int) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", _CHILD, config, model_name, str(steps)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"{config}/{model_name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def formula(params: int, config: str, devices: int = 8) -> dict:
+    """Replicated / ZeRO-1 bytes per device from the parameter count (float32, AdamW's 2 slots)."""
+    weights = 4 * params
+    slots = 8 * params if config == "replicated" else 8 * params / devices
+    return {"weights": weights, "gradients": weights, "optimizer": slots, "total": 2 * weights + slots}
+
+
+def table(rows: list[dict], params: int) -> str:
+    lines = ["| configuration | weights MiB (max/device) | gradients MiB | AdamW state MiB | total MiB (max) "
+             "| total / (replicated / 8) | source |", "|---|---:|---:|---:|---:|---:|---|"]
+    replicated_total = formula(params, "replicated")["total"]
+    for row in rows:
+        b = row["bytes"]
+        got = {k: max(v) for k, v in b.items()} if b else None
+        source = row.get("source", "measured")
+        lines.append(
+            f"| {row['config']} | {got['weights'] / MIB:.1f} | {got['gradients'] / MIB:.1f} | "
+            f"{got['optimizer'] / MIB:.1f} | {got['total'] / MIB:.1f} | "
+            f"{got['total'] / (replicated_total / 8):.2f} | {source} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model only, 3 timed steps")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    steps = 3 if args.quick else args.steps
+    results: dict = {"small": [], "large": []}
+    for config in (*CONFIGS, "replicated"):                      # replicated first and last
+        results["small"].append(_child(config, "small", steps))
+        print(results["small"][-1], flush=True)
+    if not args.quick:
+        for config in ("tp1x8", "tp2x4"):
+            results["large"].append(_child(config, "large", 0))
+            print(results["large"][-1], flush=True)
+        params = results["large"][0]["params"]
+        for config in ("zero1", "replicated"):
+            f = formula(params, config)
+            results["large"].insert(0, {"config": config, "params": params, "source": "formula",
+                                        "bytes": {k: [v] for k, v in f.items()}})
+    with open(os.path.join(args.out, "model_parallel.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    small = results["small"]
+    base = statistics.mean([small[0]["step_seconds"], small[-1]["step_seconds"]])
+    md = ["# Tensor parallelism: bytes per device and step time (8 simulated CPU devices, AdamW)\n",
+          f"## small model ({small[0]['params']:,} parameters), all measured\n",
+          table(small[:-1], small[0]["params"]), "",
+          "| configuration | median step s | / replicated |", "|---|---:|---:|"]
+    for row in small:
+        md.append(f"| {row['config']} | {row['step_seconds']:.3f} | {row['step_seconds'] / base:.2f} |")
+    if results["large"]:
+        params = results["large"][0]["params"]
+        md += ["", f"## large model ({params:,} parameters)\n", table(results["large"], params)]
+    with open(os.path.join(args.out, "model_parallel.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
