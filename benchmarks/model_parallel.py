@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("replicated", "zero1", "tp1x8", "tp2x4")
 MODELS = {
     # vocabulary, d_model, layers, heads, FFN width, sequence
-    "large": dict(vocab=16384, d=768, layers=12, heads=12, ffn=3072, seq=64),
+    "large": dict(vocab=16384, d=768, layers=12, heads=16, ffn=3072, seq=64),  # 16 heads: 8 divides them
     "small": dict(vocab=4096, d=256, layers=4, heads=8, ffn=1024, seq=64),
 }
 MIB = 2**20
