@@ -87,9 +87,24 @@ def temporary_path(path: str) -> str:
     return os.path.join(folder, f".tmp-{uuid.uuid4().hex[:8]}-{name}")
 
 
+_TEMPORARY = re.compile(r"^\.tmp-[0-9a-f]{8}-(.+)$")
+
+
 def is_temporary(name: str) -> bool:
     """Whether the file name ``name`` is one of `temporary_path`'s (left by a killed write)."""
-    return name.startswith(".tmp-")
+    return bool(_TEMPORARY.match(name))
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Removes the temporaries of ``path`` that killed writes left beside it."""
+    folder, name = os.path.split(path)
+    for other in os.listdir(folder or "."):
+        match = _TEMPORARY.match(other)
+        if match and match.group(1) == name:
+            try:
+                os.remove(os.path.join(folder, other))
+            except OSError:  # another writer's, gone already
+                pass
 
 
 def write_atomically(path: str, write: Callable[[str], Any]) -> bool:
@@ -99,7 +114,8 @@ def write_atomically(path: str, write: Callable[[str], Any]) -> bool:
     content there. ``write`` returning ``False`` means it wrote nothing (a worker
     other than the chief, whose saves go elsewhere): then nothing is replaced and
     this returns ``False``; else ``True``. If ``write`` raises, the temporary file
-    is removed and ``path`` is left as it was.
+    is removed and ``path`` is left as it was. After the replacement, the temporaries
+    of ``path`` that killed writes left are removed.
 
     Example:
         ```python
@@ -132,6 +148,7 @@ def write_atomically(path: str, write: Callable[[str], Any]) -> bool:
             os.remove(tmp)  # half written: the old file stays, and nothing else
         raise
     fsync_path(os.path.dirname(path) or ".")
+    _remove_stale_temporaries(path)
     return True
 
 

@@ -64,6 +64,24 @@ def crc32(path: str) -> int:
     return value
 
 
+def read_json(path: str):
+    """The JSON at ``path`` (local or on an object store)."""
+    with _open(path, "r") as f:
+        return json.loads(f.read())
+
+
+def _write_new(path: str, text: str) -> None:
+    """Writes ``path`` whole: on an object store an upload replaces the object (what was there is
+    removed first: some of tf.io.gfile's file systems, such as ``ram://``, append on "w")."""
+    if atomic_files.is_remote(path):
+        import tensorflow as tf
+
+        if tf.io.gfile.exists(path):
+            tf.io.gfile.remove(path)
+    with _open(path, "w") as f:
+        f.write(text)
+
+
 def _open(path: str, mode: str):
     if atomic_files.is_remote(path):
         import tensorflow as tf  # only for object stores: tf.io.gfile reads them
@@ -137,6 +155,10 @@ class Backup:
     @property
     def weights_path(self) -> str:
         return _join(self.path, WEIGHTS)
+
+    @property
+    def metadata_path(self) -> str:
+        return _join(self.path, METADATA)
 
 
 class BackupDirectory:
@@ -220,8 +242,7 @@ class BackupDirectory:
         weights = staging.weights_path
         record = {"number": staging.number, "weights_bytes": _size(weights), "weights_crc32": crc32(weights)}
         metadata = {**metadata, COMMIT_KEY: record}
-        with _open(staging.metadata_path, "w") as f:
-            f.write(json.dumps(metadata))
+        _write_new(staging.metadata_path, json.dumps(metadata))
         atomic_files.kill_point("metadata")
         atomic_files.fsync_path(weights)
         atomic_files.fsync_path(staging.metadata_path)
@@ -234,9 +255,8 @@ class BackupDirectory:
             atomic_files.kill_point("renamed")
         pointer = {"number": staging.number, "backup": f"backup-{staging.number}",
                    "epoch": metadata.get("epoch"), "batch": metadata.get("batch")}
-        if self.remote:
-            with _open(self._path(POINTER), "w") as f:
-                f.write(json.dumps(pointer))
+        if self.remote:  # one object, written last (without it, the newest whole backup is restored)
+            _write_new(self._path(POINTER), json.dumps(pointer))
         else:
             atomic_files.write_json_atomically(self._path(POINTER), pointer)
         atomic_files.kill_point("committed")

@@ -19,10 +19,13 @@ again. `set_distribution(None)` leaves the scope: models built afterwards are
 plain Keras ones (the models built before keep their strategy, as on JAX).
 `keras.utils.clear_session()` ends it too, as it ends Keras's setting.
 
+`set_distribution(ModelParallel(layout_map=...))` runs on
+`ReplicatorStrategy(layout_map=...)` (tensor parallelism over the mesh's model
+axis, data parallelism over its batch axis; see the guide "Model parallelism");
+a bad layout raises `LayoutError` in `set_distribution`.
+
 What it cannot do raises `ArgumentError` in `set_distribution`, before Keras's
-setting changes: `ModelParallel` (the layouts need the model-parallel engine of
-issue 41; Keras alone would keep every weight whole on one device, silently),
-devices that are not this process's, a multi-process
+setting changes: devices that are not this process's, a multi-process
 distribution (`keras.distribution.initialize`: use `keras-replicator launch`
 and `ReplicatorStrategy` instead), another strategy's scope already entered.
 """
@@ -36,7 +39,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_replicator._compat import keras_trainer
+from keras_replicator._compat import keras_distribution, keras_trainer
 from keras_replicator._validation import ArgumentError
 from keras_replicator.strategy import ReplicatorStrategy
 
@@ -44,7 +47,7 @@ __all__ = ["strategy_for"]
 
 # One strategy per tuple of devices, so that setting a DataParallel of the same
 # devices again finds the strategy its models' variables belong to.
-_strategies: dict[tuple[str, ...], ReplicatorStrategy] = {}
+_strategies: dict[tuple, tuple[ReplicatorStrategy, Any]] = {}
 _lock = threading.Lock()
 # The scope this thread entered for its Keras distribution: (strategy, scope, the default
 # graph it was entered in: `keras.utils.clear_session()` replaces that graph).
@@ -68,21 +71,21 @@ def _tensorflow_device(name: Any) -> str:
     )
 
 
-def _check(distribution: Any) -> tuple[str, ...] | None:
-    """The devices `distribution` replicates over (`None` for no distribution), or the error."""
+def _check(distribution: Any) -> tuple | None:
+    """(kind, key, value) of the strategy `distribution` runs on (`None` for none), or the error.
+
+    A `DataParallel`'s key is its devices; a `ModelParallel`'s is its `LayoutMap`
+    (by identity: the layouts the strategy applies).
+    """
     if distribution is None:
         return None
     if isinstance(distribution, keras.distribution.ModelParallel):
-        raise ArgumentError(
-            "keras.distribution.ModelParallel is not supported on TensorFlow yet: its layouts "
-            "need keras_replicator's model-parallel engine (issue 41), and Keras alone would "
-            "keep every weight whole on one device. Use keras.distribution.DataParallel(), or "
-            "kr.ReplicatorStrategy(shard_optimizer_state=True) to shard the optimizer state."
-        )
+        layouts = keras_distribution.layout_map(distribution)
+        return ("layout_map", id(layouts), layouts)  # a LayoutMap is not hashable
     if not isinstance(distribution, keras.distribution.DataParallel):
         raise ArgumentError(
-            "set_distribution on TensorFlow takes keras.distribution.DataParallel or None, got "
-            f"{distribution!r}."
+            "set_distribution on TensorFlow takes keras.distribution.DataParallel, ModelParallel "
+            f"or None, got {distribution!r}."
         )
     if distribution.num_processes > 1:  # never on TensorFlow in Keras 3.15 (no num_processes there)
         raise ArgumentError(
@@ -95,7 +98,7 @@ def _check(distribution: Any) -> tuple[str, ...] | None:
     devices = tuple(_tensorflow_device(d) for d in mesh.devices.flatten())
     if len(set(devices)) != len(devices):
         raise ArgumentError(f"DataParallel's devices repeat a device: {list(mesh.devices)}.")
-    return devices
+    return ("devices", devices, devices)
 
 
 def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStrategy:
@@ -127,13 +130,18 @@ def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStr
     Returns:
         The strategy over those devices, in the order the mesh lists them.
     """
-    devices = _check(distribution)
-    if devices is None:
-        raise ArgumentError("strategy_for takes a keras.distribution.DataParallel, got None.")
+    key = _check(distribution)
+    if key is None:
+        raise ArgumentError("strategy_for takes a keras.distribution.DataParallel or ModelParallel, "
+                            "got None.")
+    kind, key, value = key
     with _lock:
-        if devices not in _strategies:
-            _strategies[devices] = ReplicatorStrategy(devices=list(devices))
-        return _strategies[devices]
+        if (kind, key) not in _strategies:
+            # A bad layout raises LayoutError here, before Keras's setting changes.
+            _strategies[kind, key] = (
+                ReplicatorStrategy(devices=list(value)) if kind == "devices"
+                else ReplicatorStrategy(layout_map=value), value)  # the value kept alive with its id
+        return _strategies[kind, key][0]
 
 
 def _leave() -> None:

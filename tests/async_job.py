@@ -147,7 +147,7 @@ class Progress(keras.callbacks.Callback):
             # The test (or a worker's `die_at_hold`) kills and restarts a task meanwhile, then
             # creates the release file.
             open(self.release + ".holding", "w").close()
-            deadline = time.time() + 180
+            deadline = time.time() + 600  # a limit for a hang: the test releases it
             while not os.path.exists(self.release) and time.time() < deadline:
                 time.sleep(0.1)
 

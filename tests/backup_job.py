@@ -19,7 +19,8 @@ test sets.
   before the checkpoint's save); the process SIGKILLs itself in the middle of writing the
   N-th best file (as the optimizer's state is written into it).
 * ``--slow-save S``: every backup's save takes S seconds longer (a sleep as the optimizer's
-  state is written), for a test of the launcher's grace period.
+  state is written, after writing ``OUT_DIR/slow_save.{n}`` for the n-th save), for a test of
+  the launcher's grace period.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class _Record(keras.callbacks.Callback):
             np.savez(os.path.join(self.out_dir, f"epoch{epoch}.npz"), **weights)
 
 
-def _hook_optimizer_saves(model: keras.Model, kill_at: int | None, sleep: float) -> None:
+def _hook_optimizer_saves(model: keras.Model, kill_at: int | None, sleep: float, out_dir: str) -> None:
     """Runs when the optimizer's state is written into a weights file: a sleep, or a SIGKILL at
     the `kill_at`-th write (the file is then half written)."""
     optimizer = model.optimizer
@@ -93,7 +94,9 @@ def _hook_optimizer_saves(model: keras.Model, kill_at: int | None, sleep: float)
         if calls[0] == kill_at:
             print(f"SIGKILL in the middle of write {kill_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(sleep)
+        if sleep:
+            open(os.path.join(out_dir, f"slow_save.{calls[0]}"), "w").close()
+            time.sleep(sleep)
         return original(store)
 
     optimizer.save_own_variables = save_own_variables
@@ -115,7 +118,7 @@ def main(out_dir: str) -> None:
     if checkpoint_kill is not None or slow:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
-        _hook_optimizer_saves(model, None if checkpoint_kill is None else int(checkpoint_kill), slow)
+        _hook_optimizer_saves(model, None if checkpoint_kill is None else int(checkpoint_kill), slow, out_dir)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(out_dir, f"weights.worker{strategy.worker_index}.npz"), **weights)

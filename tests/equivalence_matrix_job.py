@@ -94,10 +94,43 @@ def train_cells(strategy=None, steps_per_execution: int = 1, inputs=INPUTS, opti
     return cells
 
 
+def train_custom_loop(strategy=None) -> dict:
+    """The generator x AdamW cell in a custom loop: `strategy.run(step, args=(next(iterator),))`
+    inside a `tf.function`, each epoch ended by the `OutOfRangeError` of its last call."""
+    strategy = strategy or tf.distribute.get_strategy()
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        optimizer = make_optimizer("adamw")
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def train(iterator):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(x) - y) ** 2) / BATCH
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        return strategy.run(step, args=next(iterator))
+
+    data = strategy.experimental_distribute_dataset(fit_arguments("generator")["x"])
+    for _ in range(EPOCHS):
+        iterator = iter(data)
+        while True:
+            try:
+                train(iterator)
+            except tf.errors.OutOfRangeError:
+                break
+    return {"iterations": int(optimizer.iterations.numpy()), "weights": [w.tolist() for w in model.get_weights()]}
+
+
 def main(argv: list[str]) -> None:
     mode, out = argv
     if mode == "one":
-        results = {"spe1": train_cells(), "spe3": train_cells(steps_per_execution=3)}
+        results = {"spe1": train_cells(), "spe3": train_cells(steps_per_execution=3),
+                   "loop": {"generator/adamw": train_custom_loop()}}
         with open(out, "w") as f:
             json.dump(results, f)
         return

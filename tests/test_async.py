@@ -293,9 +293,10 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
     j.wait_for("epoch 1 done", timeout=240)
     j.kill("worker", 1)
     j.start("worker", 1)  # as Kubernetes (restartPolicy: OnFailure) or the launcher would
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a limit for a hang: it imports TensorFlow again
     while "is serving" not in j.output("worker", 1).split("ended the job")[-1] and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert "is serving" in j.output("worker", 1).split("ended the job")[-1], j.output("worker", 1)[-3000:]
     (j.out / "release").touch()
     assert j.wait(timeout=300) == 0, j.output("chief", 0)[-5000:]
     report = j.report()

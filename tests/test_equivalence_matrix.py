@@ -6,8 +6,9 @@ filtered dataset, `repeat()` with `steps_per_epoch`, a last short batch. Optimiz
 SGD, AdamW and a staircase schedule (both read `iterations`). Paths: the step
 traced once, traced per replica, `shard_optimizer_state=True`,
 `steps_per_execution=3` (this process, 4 replicas) and 2 workers x 2 replicas
-(one launched job). One device's cells are computed once, in a fresh interpreter
-with one device, while this process computes its own.
+(one launched job); and a custom loop (generator, AdamW). One device's cells are
+computed once, in a fresh interpreter with one device, while this process computes
+its own.
 
 Why: on an input of unknown cardinality (a generator, `filter`) Keras on one device
 reads each epoch's last step from an exhausted iterator, and the step's ops that
@@ -100,6 +101,15 @@ def test_four_replicas_match_one_device(path, one_device):
             assert ours[cell]["iterations"] == reference[cell]["iterations"], cell
             ours[cell] = reference[cell]
     assert not mismatches(ours, reference), f"{path}: " + "; ".join(mismatches(ours, reference))
+
+
+def test_custom_loop_matches_one_device(one_device):
+    # The same step in a custom loop: `strategy.run` on `next(iterator)` in a tf.function
+    # until OutOfRangeError; one device counts its partial last step as `fit` does.
+    ours = {"generator/adamw": job.train_custom_loop(kr.ReplicatorStrategy())}
+    reference = one_device()["loop"]
+    assert reference["generator/adamw"]["iterations"] == job.STEPS * job.EPOCHS + job.EPOCHS
+    assert not mismatches(ours, reference), "; ".join(mismatches(ours, reference))
 
 
 def test_one_device_counts_a_step_more_per_epoch_of_unknown_length(one_device):

@@ -133,22 +133,46 @@ def test_the_same_devices_give_the_same_strategy():
     assert first is again and first.num_replicas_in_sync == 4
 
 
-MESH_2D = dict(shape=(2, 2), axis_names=["batch", "model"])
-
-
 @pytest.mark.parametrize("make, message", [
-    (lambda: keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(
-        keras.distribution.DeviceMesh(devices=keras.distribution.list_devices(), **MESH_2D))),
-     "ModelParallel is not supported on TensorFlow yet.*issue 41"),
     (lambda: keras.distribution.DataParallel(devices=["cpu:0", "cpu:9"]),
      "'cpu:9' is not a device of this process"),
     (lambda: keras.distribution.DataParallel(devices=["gpu:0"]), "'gpu:0' is not a device"),
-    (lambda: "data parallel", "takes keras.distribution.DataParallel or None"),
-], ids=["model_parallel", "unknown_device", "no_gpu", "not_a_distribution"])
+    (lambda: "data parallel", "takes keras.distribution.DataParallel, ModelParallel or None"),
+], ids=["unknown_device", "no_gpu", "not_a_distribution"])
 def test_what_cannot_run_is_an_error_that_changes_nothing(make, message):
     with pytest.raises(ArgumentError, match=message):
         keras.distribution.set_distribution(make())
     assert keras.distribution.distribution() is None and not tf.distribute.has_strategy()
+
+
+def model_parallel_script(epochs=2):
+    """Keras's tensor-parallel example for JAX: a column- then a row-parallel Dense."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="column"),
+                              keras.layers.Dense(2, name="row")])
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    history = model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def test_model_parallel_script_trains_as_one_device():
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], [f"cpu:{i}" for i in range(4)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*column/kernel"] = (None, "model")
+    layout_map[".*column/bias"] = ("model",)
+    layout_map[".*row/kernel"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model, losses = model_parallel_script()
+    strategy = model.distribute_strategy
+    assert (strategy.num_replicas_in_sync, strategy.devices_per_replica) == (2, 2)
+    assert strategy is kr.keras_distribution.strategy_for(keras.distribution.distribution())
+    assert sorted(w.path.split("/", 1)[1] for w in model.weights if "_shard" in w.path) == [
+        "column/bias_shard0", "column/bias_shard1", "column/kernel_shard0", "column/kernel_shard1",
+        "row/kernel_shard0", "row/kernel_shard1"]
+    keras.distribution.set_distribution(None)
+    reference, ref_losses = model_parallel_script()
+    assert max_difference(model, reference) <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
 def test_set_distribution_inside_another_strategys_scope_is_an_error():

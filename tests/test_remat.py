@@ -59,6 +59,19 @@ def assert_same_run(run, reference, atol=1e-6):
         np.testing.assert_allclose(weight, ref, atol=atol)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_grappler_dependency_optimizer():
+    """Measured on this machine, loaded: 8 of 267 remat runs ended up to 2.8e-3 away from the
+    others (the same model, data and seed), 0 of 71 without remat, 0 of 140 with Grappler's
+    dependency optimizer off. The exact comparisons run with it off;
+    docs/keras_distribution.md says so (cause not found yet)."""
+    before = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
+    yield
+    tf.config.optimizer.set_experimental_options(
+        {"dependency_optimization": before.get("dependency_optimization", True)})
+
+
 @pytest.fixture(scope="module")
 def reference():
     return train()
@@ -135,6 +148,24 @@ def test_dropout_inside_remat_draws_the_forwards_masks(devices):
         runs.append(train(remat=remat, strategy=strategy,
                           layers=lambda: [DenseDropout(), keras.layers.Dense(1)]))
     assert_same_run(runs[1], runs[0])
+
+
+def test_remat_under_the_strategy_is_traced_once_not_per_replica():
+    """The recomputation is part of the replica step: traced once with it, 4 times per replica."""
+    traced = []
+
+    class Traced(Counted):
+        def call(self, x):
+            traced.append(self.name)  # Python: runs when the step is traced, not when it runs
+            return super().call(x)
+
+    for trace_once in (True, False):
+        train(remat={"mode": "full"}, strategy=kr.ReplicatorStrategy(trace_once=trace_once),
+              layers=lambda trace_once=trace_once: [Traced(name=f"traced_{trace_once}"),
+                                                    keras.layers.Dense(1)], epochs=1)
+    traces = {trace_once: traced.count(f"traced_{trace_once}") for trace_once in (True, False)}
+    # Per replica, the 3 other replicas trace the forward and the recomputation again.
+    assert traces[False] >= traces[True] + 3 * 2
 
 
 def test_remat_recomputes_the_forward_in_the_gradient():

@@ -31,7 +31,6 @@ the uninterrupted run's examples, on another number of replicas too
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -214,8 +213,7 @@ def _commit_backup(self, original_br_save, state):
         with _kill_point_in_weights(self.model), _plain_saves():
             result = original_br_save(self)  # Keras's weights file, then its metadata
         atomic_files.kill_point("optimizer")  # the weights file whole (weights and optimizer state)
-        with open(staging.metadata_path) as f:
-            metadata = json.load(f)
+        metadata = backup_commits.read_json(staging.metadata_path)  # Keras's: the epoch and the batch
         metadata[DATA_KEY] = state
         step = getattr(self, "_kr_mid_epoch", None)
         if step is not None:
@@ -278,7 +276,7 @@ def _restore(self, strategy) -> None:
         code = 0
     paths = {a: getattr(self, a) for a in _BR_PATHS}
     none = os.path.join(str(self.backup_dir), "none")
-    weights, metadata = ((chosen.weights_path, os.path.join(chosen.path, backup_commits.METADATA)) if chosen
+    weights, metadata = ((chosen.weights_path, chosen.metadata_path) if chosen
                          else in_place if code == 1 else (none, none))
     self._weights_path, self._training_metadata_path = weights, metadata
     restored_from = None if weights == none else weights
@@ -304,9 +302,8 @@ def _restore(self, strategy) -> None:
 
 def _in_place_metadata(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return backup_commits.read_json(path)
+    except Exception:  # OSError, ValueError; tf.io.gfile's errors on object stores
         return None
 
 

@@ -1,4 +1,4 @@
-"""`keras.distribution.set_distribution` on TensorFlow: a `DataParallel` runs on `ReplicatorStrategy`.
+"""`keras.distribution.set_distribution` on TensorFlow: `DataParallel` and `ModelParallel` run on `ReplicatorStrategy`.
 
 Patches `set_distribution` where Keras defines it
 (`keras/src/distribution/distribution_lib.py`, which its `Distribution.scope()`
@@ -18,7 +18,8 @@ ignored, silently.
 How: the replacement checks the distribution first (`keras_replicator.
 keras_distribution`: errors for what it cannot run, before Keras's setting
 changes), calls Keras's `set_distribution`, then enters (or leaves) the calling
-thread's scope of the `ReplicatorStrategy` over the distribution's devices:
+thread's scope of the `ReplicatorStrategy` over the distribution's devices (a
+`ModelParallel`: over its `LayoutMap`, which Keras keeps in `_layout_map`):
 Keras's TensorFlow trainer takes the strategy in scope when a model is made, and
 variables made in the scope are mirrored, as with `with strategy.scope():`.
 """
@@ -51,6 +52,11 @@ def _replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
         keras_distribution.follow(value, _keras_set_distribution())
 
     return set_distribution
+
+
+def layout_map(distribution: Any) -> Any:
+    """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it private)."""
+    return distribution._layout_map
 
 
 def _keras_set_distribution() -> Callable[[Any], None]:

@@ -88,7 +88,7 @@ class LayoutRules:
         ```
     """
 
-    def __init__(self, layout_map, *, model_axis: str = MODEL_AXIS, data_axis: str = DATA_AXIS):
+    def __init__(self, layout_map: keras.distribution.LayoutMap, *, model_axis: str = MODEL_AXIS, data_axis: str = DATA_AXIS):
         if not isinstance(layout_map, keras.distribution.LayoutMap):
             raise ArgumentError(
                 f"layout_map must be a keras.distribution.LayoutMap, got {type(layout_map).__name__}."

@@ -96,7 +96,7 @@ class ShardedVariable:
         ```
     """
 
-    def __init__(self, shards: Sequence, axis: int, path: str, placement):
+    def __init__(self, shards: Sequence, axis: int, path: str, placement: DevicePlacement):
         if len(shards) < 2:
             raise ArgumentError(f"a ShardedVariable needs at least 2 shards, got {len(shards)}.")
         self.shards = tuple(shards)

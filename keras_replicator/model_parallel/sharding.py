@@ -78,7 +78,8 @@ class ModelSharding:
         layout_map: a `keras.distribution.LayoutMap` (axes `batch` and `model`).
         placement: where shard j's variables and ops go; by default the devices
             of the mesh's first row (`DevicePlacement`), one replica.
-        model_axis, data_axis: the mesh's axis names.
+        model_axis: the name of the mesh's axis that splits a replica's variables.
+        data_axis: the name of the mesh's axis over the replicas.
 
     Example:
         ```python
@@ -99,7 +100,7 @@ class ModelSharding:
         ```
     """
 
-    def __init__(self, layout_map, placement: Any = None, *, model_axis: str = MODEL_AXIS,
+    def __init__(self, layout_map: keras.distribution.LayoutMap, placement: Any = None, *, model_axis: str = MODEL_AXIS,
                  data_axis: str = DATA_AXIS):
         self.rules = LayoutRules(layout_map, model_axis=model_axis, data_axis=data_axis)
         if placement is None:
