@@ -209,11 +209,11 @@ def test_what_fsdp_cannot_do_is_an_error_before_any_step():
 
 
 def test_guide_example():
-    # docs/model_parallel.md's FSDP block, in a fresh interpreter with its own 4 devices.
+    # docs/layouts.md's FSDP block, in a fresh interpreter with its own 4 devices.
     from tests.helpers import python_blocks, run_markdown_example
 
-    assert '("batch", None)' in python_blocks("docs/model_parallel.md")[2]
-    lines = run_markdown_example("docs/model_parallel.md", 2).stdout.strip().splitlines()
+    assert '("batch", None)' in python_blocks("docs/layouts.md")[1]
+    lines = run_markdown_example("docs/layouts.md", 1).stdout.strip().splitlines()
     assert lines[-2] == "(16, 64) [(4, 64), (4, 64), (4, 64), (4, 64)]"
     assert lines[-1] == "[(16, 64), (64,), (64, 8), (8,)]"
 

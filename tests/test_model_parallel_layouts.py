@@ -329,11 +329,11 @@ def test_kerashub_gemma_with_its_own_layout_map():
 
 
 def test_guide_example():
-    # docs/model_parallel.md's LayoutMap block, in a fresh interpreter with its own 4 devices.
+    # docs/layouts.md's LayoutMap block, in a fresh interpreter with its own 4 devices.
     from tests.helpers import python_blocks, run_markdown_example
 
-    assert "kr.ReplicatorStrategy(layout_map=layout_map)" in python_blocks("docs/model_parallel.md")[1]
-    lines = run_markdown_example("docs/model_parallel.md", 1).stdout.strip().splitlines()
+    assert "kr.ReplicatorStrategy(layout_map=layout_map)" in python_blocks("docs/layouts.md")[0]
+    lines = run_markdown_example("docs/layouts.md", 0).stdout.strip().splitlines()
     assert lines[-3].endswith("'sequential/up/bias_shard1']")
     assert lines[-2] == "(16, 64) [(16, 64), (64,)]"
     assert lines[-1] == "[2304, 2304, 2308, 2308]"
