@@ -227,10 +227,24 @@ def _commit_backup(self, original_br_save, state):
     return result
 
 
+def _committed_layout(callback) -> bool:
+    """Whether ``callback.backup_dir`` holds backups in the committed layout (written under our
+    strategies): then a `fit` without them (a model moved to one device) reads and writes it the
+    same way, so it neither starts over nor leaves a newer in-place backup the next restart
+    would not see. Looked up once per `fit` (at its start)."""
+    found = getattr(callback, "_kr_committed_layout", None)
+    if found is None:
+        found = _backups(callback).pointer() is not None
+        callback._kr_committed_layout = found
+    return found
+
+
 def _br_save_model(original_br_save):
     def br_save_model(self):
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
         if not ours(strategy):
+            if _committed_layout(self):
+                return _commit_backup(self, original_br_save, None)
             return original_br_save(self)
         state = _data_state(self, strategy)
         if not multi_worker(strategy) or strategy.is_chief:
@@ -296,7 +310,7 @@ def _restore(self, strategy) -> None:
     message = backups.skip_message(chosen.path if chosen else restored_from)
     if message:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    if strategy.is_chief:
+    if strategy is None or strategy.is_chief:
         backups.remove_stale(chosen.number if chosen else None)
 
 
@@ -310,8 +324,13 @@ def _in_place_metadata(path: str) -> dict | None:
 def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        self._kr_committed_layout = None  # looked up again for this fit
         if not ours(strategy):
-            return original_br_begin(self, logs)
+            if not _committed_layout(self):
+                return original_br_begin(self, logs)
+            # A backup written under our strategies, resumed without them (e.g. on one device):
+            # the same restore; the epoch resumes, a preemption's step within it does not.
+            return _restore(self, None)
         _restore(self, strategy)
         self._kr_fit_iterator = fit_iterator()  # whose data position this fit's backups record
         step = read_step_in_epoch(self)
