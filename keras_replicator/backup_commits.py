@@ -145,20 +145,11 @@ class Staging:
 
 
 @dataclasses.dataclass(frozen=True)
-class Backup:
-    """A committed, whole backup: its number, folder and metadata (Keras's keys and ours)."""
+class Backup(Staging):
+    """A committed, whole backup: its number, folder (Keras's files, as `Staging`) and metadata
+    (Keras's keys and ours)."""
 
-    number: int
-    path: str
     metadata: dict
-
-    @property
-    def weights_path(self) -> str:
-        return _join(self.path, WEIGHTS)
-
-    @property
-    def metadata_path(self) -> str:
-        return _join(self.path, METADATA)
 
 
 class BackupDirectory:

@@ -13,15 +13,9 @@ from collections.abc import Iterable
 import keras
 import tensorflow as tf
 
+from keras_replicator.optimizers.state_sharding import variable_components as _components
+
 __all__ = ["bytes_per_device", "training_bytes_per_device"]
-
-
-def _components(variable) -> list:
-    value = getattr(variable, "value", variable)
-    values = getattr(value, "values", None)
-    if isinstance(values, tuple) and values and isinstance(values[0], tf.Variable):
-        return list(values)
-    return [value]
 
 
 def bytes_per_device(variables: Iterable) -> dict[str, int]:

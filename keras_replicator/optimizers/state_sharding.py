@@ -73,7 +73,7 @@ def partition(sizes: Sequence[int], num_replicas: int) -> list[int]:
     return owners
 
 
-def _components(variable) -> list:
+def variable_components(variable) -> list:
     """The per-device TensorFlow variables behind a Keras or TensorFlow variable."""
     value = getattr(variable, "value", variable)
     values = getattr(value, "values", None)
@@ -113,7 +113,7 @@ def state_bytes_per_device(optimizer: keras.optimizers.Optimizer) -> dict[str, i
     """
     out: dict[str, int] = {}
     for variable in optimizer.variables:
-        for component in _components(variable):
+        for component in variable_components(variable):
             device = tf.DeviceSpec.from_string(component.device).to_string()
             size = int(component.shape.num_elements()) * component.dtype.size
             out[device] = out.get(device, 0) + size
