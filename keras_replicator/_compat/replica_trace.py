@@ -437,7 +437,7 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
         captures = _per_replica_captures(list(traced.captured_inputs), n, registry, swaps)
         _refuse_shared_writes(traced, captures)
         # What needs no input runs without it, as in an inlined call (`replica_step_split`).
-        split = replica_step_split.split_step(
+        split = replica_step_split.ENABLED and replica_step_split.split_step(
             traced, lambda capture: id(capture) in swaps or registry.on_read(capture))
         for d in members:
             call_for[d] = functools.partial(split.call if split else _call_whole(traced), captures=captures[d])
