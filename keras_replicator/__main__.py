@@ -179,6 +179,17 @@ def _k8s(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_grace_arguments(k8s: argparse.ArgumentParser) -> None:
+    """`k8s`'s terminationGracePeriodSeconds: from a step and a save's time, or outright."""
+    k8s.add_argument("--save-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=30.0,
+                     metavar="SECONDS", help="how long a backup takes to save (default 30; measure it: the "
+                     "preemption message says 'saved ... in N s')")
+    k8s.add_argument("--step-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=10.0,
+                     metavar="SECONDS", help="how long a training step takes (default 10)")
+    k8s.add_argument("--grace", type=_positive_int, default=None, metavar="SECONDS",
+                     help="terminationGracePeriodSeconds outright (default: 2 x (step + save) + 5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-replicator", description="Replicated training for Keras 3 on TensorFlow."
@@ -271,13 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                      default=2222, help="the port every task listens on (default 2222)")
     k8s.add_argument("--restart-policy", default=None, choices=["OnFailure", "Always", "Never", "ExitCode"],
                      help="--kind tfjob only: the pods' restart policy (default OnFailure)")
-    k8s.add_argument("--save-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=30.0,
-                     metavar="SECONDS", help="how long a backup takes to save (default 30; measure it: the "
-                     "preemption message says 'saved ... in N s')")
-    k8s.add_argument("--step-seconds", type=_number_type(float, "at least 0", lambda v: v >= 0), default=10.0,
-                     metavar="SECONDS", help="how long a training step takes (default 10)")
-    k8s.add_argument("--grace", type=_positive_int, default=None, metavar="SECONDS",
-                     help="terminationGracePeriodSeconds outright (default: 2 x (step + save) + 5)")
+    _add_grace_arguments(k8s)
     k8s.set_defaults(func=_k8s)
     return parser
 

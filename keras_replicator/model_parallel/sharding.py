@@ -25,7 +25,13 @@ import keras
 import tensorflow as tf
 
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import fsdp
+from keras_replicator.model_parallel.fsdp import (
+    ReplicaShardedVariable,
+    assign_replica_slices,
+    data_dim,
+    mark_replica_slices,
+    split_over_replicas,
+)
 from keras_replicator.model_parallel.layout import (
     DATA_AXIS,
     MODEL_AXIS,
@@ -131,7 +137,7 @@ class ModelSharding:
         """`layer.add_weight(**kwargs)` under the layouts: a variable or a `ShardedVariable`."""
         shape = tuple(int(d) for d in kwargs.get("shape") or ())
         layout = self.rules.resolve(path, shape)
-        replica_dim = fsdp.data_dim(layout, self.rules, self.placement)  # FSDP: split over the replicas
+        replica_dim = data_dim(layout, self.rules, self.placement)  # FSDP: split over the replicas
         if layout is None or not (layout.sharded or replica_dim is not None):
             return add_weight(layer, **kwargs)
         _check_shardable(layout, kwargs)
@@ -149,20 +155,20 @@ class ModelSharding:
         shards = []
         for j, part in enumerate(slices):
             # FSDP: every copy is made as replica 0's slice, then given its own.
-            first = part if replica_dim is None else fsdp.split_over_replicas(part, replica_dim, self.rules.data_size)[0]
+            first = part if replica_dim is None else split_over_replicas(part, replica_dim, self.rules.data_size)[0]
             shard_kwargs = dict(kwargs, shape=tuple(first.shape), dtype=dtype,
                                 name=f"{name}_shard{j}" if layout.sharded else name, initializer=_constant(first))
             with self.placement.variables(j):
                 shards.append(add_weight(layer, **shard_kwargs))
             if replica_dim is not None:
                 with tf.init_scope():
-                    fsdp.assign_replica_slices(shards[-1], part, replica_dim)
-                fsdp.mark_replica_slices(shards[-1], replica_dim)
+                    assign_replica_slices(shards[-1], part, replica_dim)
+                mark_replica_slices(shards[-1], replica_dim)
             _homes[id(shards[-1])] = (weakref.ref(shards[-1]), self.placement, j)
         if replica_dim is None:
             variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
         else:
-            variable = fsdp.ReplicaShardedVariable(shards, layout.model_dim, replica_dim, path, self.placement)
+            variable = ReplicaShardedVariable(shards, layout.model_dim, replica_dim, path, self.placement)
         layer.__dict__.setdefault("_kr_sharded_variables", []).append(variable)
         created_any.set()
         return variable
