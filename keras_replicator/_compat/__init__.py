@@ -28,7 +28,7 @@ installed version is outside the range a module was checked on.
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
 | `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
-| `replica_step_split` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util` | copies the one trace into two functions per replica call: the side effects that need no input (run although an exhausted iterator fails the step, as an inlined call's do), then the rest | TF 2.21 |
+| `exhausted_step` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util`; `TensorFlowTrainer.make_train_function` | installed patch, ours only, `steps_per_execution=1`: the train function's step traced once records its input-free side effects (a copy of those ops per replica), which run when a call finds the iterator exhausted, as one device's inlined step runs them | Keras 3.15, TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
 | `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it); `ModelParallel._layout_map` | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` or `ModelParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices or its layouts, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
@@ -95,7 +95,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_remat": ("keras", "3.15", "3.15"),
     "keras_distribution": ("keras", "3.15", "3.15"),
     "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
-    "replica_step_split": ("tensorflow", "2.21", "2.21"),
+    "exhausted_step": ("keras", "3.15", "3.15"),
 }
 
 
@@ -136,6 +136,7 @@ def installed_patches() -> list:
 @functools.cache
 def _permanent():
     from keras_replicator._compat import (
+        exhausted_step,
         host_iterator,
         keras_checkpointing,
         keras_fsdp,
@@ -167,6 +168,8 @@ def _permanent():
         *keras_layouts.PATCHES,
         # FSDP: gradients already reduce-scattered by all_gather's gradient are not summed again.
         *keras_fsdp.PATCHES,
+        # The step traced once: what one device's step does on an exhausted iterator.
+        *exhausted_step.PATCHES,
     ])
 
 
