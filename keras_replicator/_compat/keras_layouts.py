@@ -28,10 +28,8 @@ Patches (checked on Keras 3.15):
 Each acts only on layers holding a `ShardedVariable`, which only a keras_replicator
 strategy's layouts (or `ModelSharding.scope()`) make.
 
-Not covered: the optimizer's own variables are saved per shard (Keras saves them
-by position: a sharded model's optimizer state does not load into an unsharded
-model's optimizer, which Keras then skips with a warning); `tf.train.Checkpoint`
-of a model saves the shard variables.
+The optimizer's slots of shards, and `tf.train.Checkpoint`, are saved whole too:
+`_compat/sharded_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from keras.src.trainers.trainer import Trainer
 
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import fsdp, parallel_layers, sharding
+from keras_replicator.model_parallel import fsdp, parallel_layers, sharding, whole_state
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
 _POSITIONAL = ("shape", "initializer", "dtype")
@@ -247,6 +245,7 @@ def _slot_beside_shard(original):
         with placement.variables(j):
             slot = original(self, reference_variable, *args, **kwargs)
         fsdp.mark_like(slot, reference_variable)  # a slot of a variable split over the replicas is too
+        whole_state.record_slot(slot, reference_variable)  # saved whole with its shards' others
         return slot
 
     return add_variable_from_reference
