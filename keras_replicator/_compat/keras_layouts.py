@@ -45,6 +45,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers import Layer as _Layer
 from keras.src.trainers.trainer import Trainer
 
+from keras_replicator._compat import sharded_checkpoints
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
 from keras_replicator.model_parallel import fsdp, parallel_layers, sharding, whole_state
@@ -272,6 +273,8 @@ def _check_after_build(original):
     def _maybe_symbolic_build(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _check_rules(self, "the first fit, evaluate or predict (once Keras built the model)")
+        # The optimizer is built now: a tf.train.Checkpoint's values waiting for its slots.
+        sharded_checkpoints.restore_waiting(getattr(self, "optimizer", None))
         return result
 
     return _maybe_symbolic_build

@@ -21,7 +21,9 @@ their slots:
   it by splitting. Restore-on-create (`Checkpoint.restore` before the optimizer is
   built, Keras builds it at the first step): `TFOptimizer._handle_deferred_dependencies`
   (called when Keras assigns a slot list) restores into the `WholeList`, then restores
-  the children waiting in the other `WholeList`s of that optimizer whose slots all exist.
+  the children waiting in the other `WholeList`s of that optimizer whose slots all exist
+  (`restore_waiting`, called again once `fit` built the model and its optimizer:
+  `_compat/keras_layouts.py`).
 
 A checkpoint value whose shape is not the restoring variable's is a `LayoutError`
 naming the variable, raised before the value is assigned.
@@ -122,6 +124,12 @@ class WholeList(trackable_base.Trackable):
             self._handle_deferred_dependencies(name, children[name])
 
 
+def restore_waiting(optimizer) -> None:
+    """Restores what a checkpoint deferred in `optimizer`'s lists and now exists (after a build)."""
+    for waiting in list(_lists.get(optimizer, {}).values()) if optimizer is not None else ():
+        waiting.restore_waiting()
+
+
 def _whole_list(optimizer, name: str) -> WholeList:
     lists = _lists.setdefault(optimizer, {})
     if name not in lists:
@@ -149,8 +157,7 @@ def _optimizer_deferred(original):
             trackable = _whole_list(self, name)
         original(self, name, trackable)
         # Keras assigns a slot list once its slots exist: the lists' waiting children can be restored.
-        for waiting in list(_lists.get(self, {}).values()):
-            waiting.restore_waiting()
+        restore_waiting(self)
 
     return _handle_deferred_dependencies
 
