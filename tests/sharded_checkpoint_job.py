@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -177,7 +178,7 @@ def wrong_shape_errors(out: str) -> dict:
 
 
 def main(out: str) -> None:
-    results = {}
+    results, started = {}, time.monotonic()
     reference = compiled(None)
     fit(reference, epochs=2)  # the uninterrupted run
 
@@ -197,6 +198,7 @@ def main(out: str) -> None:
             m = continue_from(way, os.path.join(out, "from_2x4"), strategy, m)
             results[f"2x4->{name}:{way}"] = difference(m, reference)
             print(f"2x4->{name}:{way}", results[f"2x4->{name}:{way}"], flush=True)
+        print(f"{name} done at {time.monotonic() - started:.1f} s", flush=True)
     # The reverse: one device's files onto (2, 4), into the model that wrote the others.
     for way in WAYS:
         source = continue_from(way, os.path.join(out, "from_one"), None, source)

@@ -86,7 +86,7 @@ def _trackable(item):
 
 
 def _holds_shards(items) -> bool:
-    return any(sharding.owner(v) is not None or whole_state._reference(v) is not None
+    return any(sharding.owner(v) is not None or whole_state.slot_reference(v) is not None
                for v in items if v is not None)
 
 

@@ -25,7 +25,7 @@ from keras_replicator.model_parallel import sharding
 from keras_replicator.model_parallel.fsdp import ReplicaShardedVariable
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
-__all__ = ["INCOMPLETE", "record_slot", "whole_views"]
+__all__ = ["INCOMPLETE", "record_slot", "slot_reference", "whole_views"]
 
 # id(slot) -> (weak reference to it, weak reference to the shard it was made for).
 _references: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -40,7 +40,8 @@ def record_slot(slot, reference) -> None:
         _references[id(slot)] = (weakref.ref(slot), weakref.ref(reference))
 
 
-def _reference(slot):
+def slot_reference(slot):
+    """The shard the optimizer made `slot` for (`record_slot`), else `None`."""
     entry = _references.get(id(slot))
     if entry is None or entry[0]() is not slot:
         return None
@@ -71,7 +72,7 @@ def whole_views(variables: Sequence, cache: dict) -> list:
             if owned[1] == 0:
                 out.append(owned[0])
             continue
-        reference = _reference(variable) if variable is not None else None
+        reference = slot_reference(variable) if variable is not None else None
         owned = sharding.owner(reference) if reference is not None else None
         if owned is None:
             out.append(variable)
