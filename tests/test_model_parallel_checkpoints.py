@@ -48,8 +48,8 @@ def test_a_mesh_writes_the_one_device_format(results):
     assert results["same_format"] == {"tf_checkpoint": True, "weights_h5": True}
 
 
-def test_a_checkpoint_that_does_not_fit_fails_before_any_change(results):
-    """A wider column layer (24, saved 16) on (4, 2): a clear error, nothing assigned, files intact."""
+def test_a_checkpoint_that_does_not_fit_fails_before_any_step(results):
+    """A wider column layer (24, saved 16) on (4, 2): a clear error, that kernel left as it was, files intact."""
     errors = results["wrong_shape"]
     assert "(32, 16)" in errors["save_weights"] and "(32, 24)" in errors["save_weights"]
     assert "'column/kernel'" in errors["save_weights"]
