@@ -145,8 +145,9 @@ def test_layout_map_strategy_trains_as_one_device(shape, kind, optimizer, monkey
     assert_bytes_per_device(model, *shape, slots=0 if optimizer == "sgd" else 2)
 
 
-def test_layouts_with_shard_optimizer_state():
-    """(2, 2) with ZeRO-1: each shard's slots on one replica only, weights as one device's."""
+def test_layouts_with_shard_optimizer_state(tmp_path):
+    """(2, 2) with ZeRO-1: each shard's slots on one replica only, weights as one device's;
+    `save_weights` writes AdamW's state whole: one device loads it equal to its own."""
     strategy = kr.ReplicatorStrategy(layout_map=mlp_layout(mesh(2, 2)), shard_optimizer_state=True)
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -159,6 +160,15 @@ def test_layouts_with_shard_optimizer_state():
     slots = 2 * sum(np.prod(v.shape) * 4 for v in model.trainable_weights)   # AdamW's m and v, once
     counters = 12 * 2                                                        # per replica
     assert sum(training_bytes_per_device(model)["optimizer"].values()) == slots + counters
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    one = compiled(reference("mlp"), "mlp", "adamw")
+    one.optimizer.build(one.trainable_variables)
+    one.load_weights(str(tmp_path / "m.weights.h5"))
+    assert_weights_close(one, ref)
+    got, want = one.optimizer.variables, ref.optimizer.variables
+    assert [tuple(v.shape) for v in got] == [tuple(v.shape) for v in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5, rtol=1e-5)
 
 
 def test_one_replica_over_four_devices_without_a_strategy():

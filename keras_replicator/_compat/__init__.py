@@ -33,7 +33,8 @@ installed version is outside the range a module was checked on.
 | `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it); `ModelParallel._layout_map` | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` or `ModelParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices or its layouts, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
 | `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run; `TFOptimizer.add_variable_from_reference` (a shard's slots under its placement); `Trainer.compile`, `TensorFlowTrainer._maybe_symbolic_build` (the unmatched-rule check) | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
-| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients`; `save_own_variables`, `load_own_variables` (the optimizer's `_variables`) | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again; their slots saved and loaded whole | Keras 3.15 |
+| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.15 |
+| `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.15, TF 2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -89,6 +90,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "parameter_server": ("keras", "3.15", "3.15"),
     "keras_layouts": ("keras", "3.15", "3.15"),
     "keras_fsdp": ("keras", "3.15", "3.15"),
+    "sharded_checkpoints": ("tensorflow", "2.21", "2.21"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
@@ -147,6 +149,7 @@ def _permanent():
         keras_xla,
         multi_device_iterator,
         patching,
+        sharded_checkpoints,
         tape_gradient_device,
     )
 
@@ -170,6 +173,8 @@ def _permanent():
         *keras_fsdp.PATCHES,
         # The step traced once: what one device's step does on an exhausted iterator.
         *exhausted_step.PATCHES,
+        # Sharded variables and their slots checkpointed whole (Keras files, tf.train.Checkpoint).
+        *sharded_checkpoints.PATCHES,
     ])
 
 
