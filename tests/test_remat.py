@@ -210,6 +210,18 @@ def test_batch_normalization_under_remat_updates_its_moving_statistics_once():
     assert not np.allclose(runs[0][0].layers[1].moving_mean.numpy(), 0.0)  # they moved
 
 
+def test_mixed_precision_under_remat_trains_as_without_it():
+    """float16 compute, float32 weights: the recomputation (run by the tape, after the layer's
+    call returned) computes in float16 as the forward did (it failed on a float32 tanh)."""
+    def layers():
+        return [keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+                keras.layers.Dense(16, activation="tanh", dtype="mixed_float16"), keras.layers.Dense(1)]
+
+    runs = [train(remat=remat, layers=layers) for remat in (None, {"mode": "full"})]
+    assert runs[1][0].layers[0].compute_dtype == "float16"
+    assert_same_run(runs[1], runs[0])
+
+
 def unordered_reads_and_updates(model) -> list[str]:
     """Each read of a variable that TensorFlow's default Grappler leaves unordered with an
     update of it, in the graph of one training step (with `variable` read before or after the

@@ -35,7 +35,9 @@ reads, as without remat (where the backward pass uses the forward's reads).
 The forward's assignments (a seed generator's next state,
 `BatchNormalization`'s moving statistics) and `add_loss` losses are applied once,
 after it; the recomputation's are discarded, so it draws the forward's dropout masks again
-and updates nothing twice.
+and updates nothing twice. The recomputation runs under the layer's autocast
+scope of the forward (mixed precision: the tape runs it after the layer's call
+has returned, where float32 variables would otherwise be read as float32).
 
 Why not let `tf.recompute_grad` read the variables again in the gradient: that
 read can come after the optimizer's update of the same variable. TensorFlow's
@@ -121,13 +123,17 @@ def _recompute_with_state_read_once(layer: keras.layers.Layer, call: Callable[..
     # Positional, so their gradients reach the variables through these reads.
     differentiated = [i for i, v in enumerate(variables) if v.trainable and _differentiable(values[i])]
     forward: list = []  # the forward's StatelessScope and its mapping before the call
+    # The layer's autocast (mixed precision), which the recomputation, run by the tape's
+    # gradient after the layer's call has returned, would otherwise lose.
+    autocast = keras_backend.get_autocast_scope()
 
     def stateless(*inputs: tf.Tensor) -> Any:
         state = list(values)
         for i, value in zip(differentiated, inputs[len(tensors):]):
             state[i] = value
         with keras.StatelessScope(list(zip(variables, state)), collect_losses=not forward,
-                                  initialize_variables=False) as scope:
+                                  initialize_variables=False) as scope, \
+                keras_backend.AutocastScope(autocast.dtype if autocast else None):
             before = dict(scope.state_mapping)
             outputs = call(*inputs[:len(tensors)])
         forward.append((scope, before))
