@@ -51,7 +51,7 @@ cuts that path. Left unordered is, for example, the last `Dense`'s kernel read
 for the gradient of its input (`dy @ kernel^T`), so when the update runs first the
 layers below it get the gradient of the updated kernel (found by running Grappler
 on the traced step: `tests/test_remat.py`; measured, the same seeded fit: 10 of
-200 remat runs up to 4.0e-3 away from the run without remat before, 0 of 200
+200 remat runs up to 4.0e-3 away from the run without remat before, 0 of 400
 after: docs/keras_distribution.md). With the reads made once before the
 forward, each read feeds the forward's output, hence the loss
 and the variable's own gradient: a data path to its update, as without remat.
