@@ -188,7 +188,7 @@ def test_training_writes_outputs_and_resumes(tmp_path, local_ray):
 _START_RAY = """
 import json
 from keras_replicator.applications.d4pg import actors
-ray = actors.start_ray(num_cpus=1)
+ray = actors.start_ray()  # as the notebook calls it (with num_cpus, Ray would refuse to join)
 print("started", json.dumps(ray.get_runtime_context().gcs_address))
 actors.stop_ray()
 """
