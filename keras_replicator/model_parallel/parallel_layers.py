@@ -10,10 +10,16 @@ identity backward) is the `add_n` of the shards' partial results, whose gradient
 is the identity to each part. (`kr.all_reduce` would be wrong there: its gradient
 is an all-reduce, a k-fold over-count.)
 
-* column-parallel (the kernel split on an output dimension): shard j's output on
-  logical device j, concatenated on the current device; the bias after;
+* column-parallel (the kernel split on an output dimension): shard j's output, its
+  slice of the bias and an elementwise activation on logical device j, the parts
+  concatenated on the current device for any other consumer;
 * row-parallel (split on a contracted dimension): the input cut into k slices,
   shard j's partial product on device j, their `add_n`; the bias after the sum;
+* a column-parallel layer's output read by a row-parallel layer split the same
+  way (Megatron's MLP): the row layer takes the column layer's parts, each on its
+  device, instead of cutting the concatenation, which nothing then reads and
+  TensorFlow prunes from the traced step: one `add_n` forward ("g") and one sum
+  of the input's gradients backward ("f") per pair, no gather between them;
 * an embedding by vocabulary: ids outside shard j's rows masked to zero rows, the
   k lookups summed (Megatron's vocab-parallel embedding); by features: the k
   lookups concatenated;
@@ -23,19 +29,40 @@ is an all-reduce, a k-fold over-count.)
 
 Each function computes one layer from its `ShardedVariable` and returns `None`
 when the split is one no rule covers; the caller then uses the whole tensor.
+
+The pairing is keyed by the tensor itself: the column layer keeps its parts on
+its output (an attribute, as Keras keeps a mask on a tensor), so only a row layer
+that reads that very tensor (the same values) takes them; anything between the
+two (a separate activation layer, dropout, a normalization, an op) makes a new
+tensor, and the row layer cuts it as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import keras
 import tensorflow as tf
 from keras import ops
 
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
-__all__ = ["column_parallel_einsum", "dense", "einsum_axis", "einsum_dense", "embedding",
+__all__ = ["PAIRING", "column_parallel_einsum", "column_parts", "dense", "einsum_axis", "einsum_dense", "embedding",
            "row_parallel_einsum"]
+
+# Whether a row-parallel layer takes the parts of the column-parallel output it reads
+# (the benchmark turns it off to measure the gather it saves).
+PAIRING = True
+_PARTS = "_kr_column_parts"
+
+# Activations that act on each element alone, so shard j can apply them to its part.
+_ELEMENTWISE_ACTIVATIONS = frozenset(
+    getattr(keras.activations, name) for name in (
+        "linear", "relu", "relu6", "elu", "selu", "gelu", "silu", "swish", "sigmoid", "hard_sigmoid",
+        "hard_silu", "hard_swish", "tanh", "softplus", "softsign", "exponential", "leaky_relu", "mish",
+        "celu", "log_sigmoid", "squareplus", "sparse_plus", "tanh_shrink", "hard_tanh", "soft_shrink",
+        "hard_shrink")
+    if hasattr(keras.activations, name))
 
 
 def einsum_axis(spec: str, letter: str) -> int:
@@ -78,6 +105,63 @@ def _finish(y, bias, activation: Callable | None):
     return activation(y) if activation is not None else y
 
 
+def _positive(axis: int, rank: int) -> int:
+    return axis % rank
+
+
+def _bias_parts(bias, axis: int, rank: int, k: int) -> list:
+    """Part j of a bias broadcast onto an output of `rank` split in k on `axis` (the
+    bias's dimensions are the output's last ones, as `Dense`'s and `EinsumDense`'s)."""
+    if bias is None:
+        return [None] * k
+    bias_axis = len(bias.shape) - (rank - axis)
+    if bias_axis < 0 or bias.shape[bias_axis] == 1:
+        return [bias] * k
+    if isinstance(bias, ShardedVariable) and bias.axis == bias_axis and bias.num_shards == k:
+        return bias.shard_values()
+    return tf.split(ops.convert_to_tensor(bias), k, axis=bias_axis)
+
+
+def _column_output(parts: list, axis: int, kernel: ShardedVariable, bias, activation: Callable | None):
+    """The column-parallel output: bias and activation per part on its device when the
+    activation is elementwise, the parts concatenated, and kept on the result for pairing."""
+    rank = parts[0].shape.rank
+    if rank is None or (activation is not None and activation not in _ELEMENTWISE_ACTIVATIONS):
+        return _finish(tf.concat(parts, axis=axis), bias, activation)
+    axis = _positive(axis, rank)
+    finished = []
+    for j, (part, part_bias) in enumerate(zip(parts, _bias_parts(bias, axis, rank, kernel.num_shards))):
+        with kernel.placement.ops(j):
+            finished.append(_finish(part, part_bias, activation))
+    y = tf.concat(finished, axis=axis)
+    try:
+        setattr(y, _PARTS, (tuple(finished), axis))
+    except AttributeError:   # a tensor type without attributes: the row layer cuts y instead
+        pass
+    return y
+
+
+def column_parts(x, axis: int, k: int) -> list | None:
+    """The k per-device parts a column-parallel layer concatenated into `x` along `axis`,
+    or `None` (not such an output, split otherwise, or `PAIRING` off)."""
+    entry = getattr(x, _PARTS, None) if PAIRING else None
+    if entry is None or x.shape.rank is None:
+        return None
+    parts, part_axis = entry
+    if len(parts) != k or _positive(axis, x.shape.rank) != part_axis:
+        return None
+    if any(getattr(part, "graph", None) is not getattr(x, "graph", None) for part in parts):
+        return None
+    return list(parts)
+
+
+def _row_inputs(x, axis: int, k: int) -> list:
+    """The row-parallel layer's k input slices: the column layer's parts when `x` is their
+    concatenation (no gather between the pair), else `x` cut on `axis`."""
+    parts = column_parts(x, axis, k)
+    return parts if parts is not None else tf.split(x, k, axis=axis)
+
+
 def einsum_dense(equation: str, x, kernel: ShardedVariable, bias=None,
                  activation: Callable | None = None):
     """`EinsumDense` on a sharded kernel: column- or row-parallel by the split letter.
@@ -89,13 +173,11 @@ def einsum_dense(equation: str, x, kernel: ShardedVariable, bias=None,
     letter = kernel_spec[kernel.axis]
     if letter in out_spec:
         parts = column_parallel_einsum(equation, x, kernel)
-        y = tf.concat(parts, axis=einsum_axis(out_spec, letter))
-    elif letter in x_spec:
-        xs = tf.split(x, kernel.num_shards, axis=einsum_axis(x_spec, letter))
-        y = row_parallel_einsum(equation, xs, kernel)
-    else:
-        return None
-    return _finish(y, bias, activation)
+        return _column_output(parts, einsum_axis(out_spec, letter), kernel, bias, activation)
+    if letter in x_spec:
+        xs = _row_inputs(x, einsum_axis(x_spec, letter), kernel.num_shards)
+        return _finish(row_parallel_einsum(equation, xs, kernel), bias, activation)
+    return None
 
 
 def dense(x, kernel: ShardedVariable, bias=None, activation: Callable | None = None):
@@ -105,12 +187,13 @@ def dense(x, kernel: ShardedVariable, bias=None, activation: Callable | None = N
     step about 50 times slower than the matmul (measured on CPU).
     """
     parts = []
-    xs = tf.split(x, kernel.num_shards, axis=-1) if kernel.axis == 0 else [x] * kernel.num_shards
+    xs = _row_inputs(x, -1, kernel.num_shards) if kernel.axis == 0 else [x] * kernel.num_shards
     for j, shard in enumerate(kernel.shards):
         with kernel.placement.ops(j):
             parts.append(ops.matmul(xs[j], shard.value))
-    y = tf.concat(parts, axis=-1) if kernel.axis == 1 else tf.add_n(parts)
-    return _finish(y, bias, activation)
+    if kernel.axis == 1:
+        return _column_output(parts, -1, kernel, bias, activation)
+    return _finish(tf.add_n(parts), bias, activation)
 
 
 def embedding(ids, table: ShardedVariable, dtype: str):
