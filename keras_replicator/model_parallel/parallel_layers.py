@@ -31,10 +31,13 @@ Each function computes one layer from its `ShardedVariable` and returns `None`
 when the split is one no rule covers; the caller then uses the whole tensor.
 
 The pairing is keyed by the tensor itself: the column layer keeps its parts on
-its output (an attribute, as Keras keeps a mask on a tensor), so only a row layer
-that reads that very tensor (the same values) takes them; anything between the
-two (a separate activation layer, dropout, a normalization, an op) makes a new
-tensor, and the row layer cuts it as before.
+its output (an attribute, as Keras keeps a mask on a tensor), so a row layer that
+reads that very tensor (the same values) takes them. In a traced step, a row
+layer's input made from such outputs by elementwise ops and scalars (an
+`Activation` layer, KerasHub Gemma's `gelu(gate) * up`) is made again from the
+parts, op by op on each part's device (Mesh-TensorFlow's per-device ops), and
+TensorFlow's autodiff differentiates those copies; anything else between the two
+(dropout's mask, a normalization) and the row layer cuts the tensor as before.
 """
 
 from __future__ import annotations
@@ -135,24 +138,71 @@ def _column_output(parts: list, axis: int, kernel: ShardedVariable, bias, activa
             finished.append(_finish(part, part_bias, activation))
     y = tf.concat(finished, axis=axis)
     try:
-        setattr(y, _PARTS, (tuple(finished), axis))
+        setattr(y, _PARTS, (tuple(finished), axis, kernel.placement))
     except AttributeError:   # a tensor type without attributes: the row layer cuts y instead
         pass
     return y
 
 
 def column_parts(x, axis: int, k: int) -> list | None:
-    """The k per-device parts a column-parallel layer concatenated into `x` along `axis`,
-    or `None` (not such an output, split otherwise, or `PAIRING` off)."""
-    entry = getattr(x, _PARTS, None) if PAIRING else None
-    if entry is None or x.shape.rank is None:
+    """The k per-device parts of `x` split on `axis` as a column-parallel layer's output, or `None`.
+
+    `x` is a column-parallel output, or (in a traced step) elementwise ops of such outputs
+    split the same way and of scalars, as KerasHub Gemma's `gelu(gate) * up`: those ops are
+    made again per part, on the part's device. `None` when `PAIRING` is off or anything else
+    is on the way.
+    """
+    if not PAIRING or x.shape.rank is None:
         return None
-    parts, part_axis = entry
-    if len(parts) != k or _positive(axis, x.shape.rank) != part_axis:
+    found = _parts(x, _positive(axis, x.shape.rank), k, x.shape.as_list(), {}, [_MAX_ELEMENTWISE_OPS])
+    return None if found is None or found[1] is None else found[0]
+
+
+# Elementwise ops made again per part between a column- and a row-parallel layer: each takes
+# its tensors one by one (no list inputs) and, on operands of one shape, acts per element.
+_ELEMENTWISE_OPS = frozenset((
+    "Abs", "Add", "AddV2", "Cast", "Div", "Elu", "Erf", "Erfc", "Exp", "Identity", "LeakyRelu", "Log",
+    "Log1p", "Maximum", "Minimum", "Mul", "Neg", "Pow", "RealDiv", "Relu", "Relu6", "Rsqrt", "Selu",
+    "Sigmoid", "Sign", "Softplus", "Softsign", "Sqrt", "Square", "SquaredDifference", "Sub", "Tanh"))
+_MAX_ELEMENTWISE_OPS = 64
+
+
+def _parts(t, axis: int, k: int, shape: list, memo: dict, budget: list) -> tuple | None:
+    """`(parts, placement)` of `t` (see `column_parts`), a scalar's placement `None`; `memo`
+    keeps each tensor's answer (and the tensor, so its id stays its own)."""
+    if id(t) not in memo:
+        memo[id(t)] = (t, _find_parts(t, axis, k, shape, memo, budget))
+    return memo[id(t)][1]
+
+
+def _find_parts(t, axis, k, shape, memo, budget) -> tuple | None:
+    entry = getattr(t, _PARTS, None)
+    if entry is not None:
+        parts, part_axis, placement = entry
+        same_graph = all(getattr(p, "graph", None) is getattr(t, "graph", None) for p in parts)
+        return (list(parts), placement) if len(parts) == k and part_axis == axis and same_graph else None
+    if t.shape.rank is not None and t.shape.num_elements() == 1:
+        return [t] * k, None                              # a scalar: read whole by every part
+    if tf.executing_eagerly() or t.shape.as_list() != shape or t.op.type not in _ELEMENTWISE_OPS:
         return None
-    if any(getattr(part, "graph", None) is not getattr(x, "graph", None) for part in parts):
+    op = t.op
+    budget[0] -= 1
+    if budget[0] < 0 or len(op.outputs) != 1 or any(a.number_attr or a.type_list_attr for a in op.op_def.input_arg):
         return None
-    return list(parts)
+    inputs = [_parts(i, axis, k, shape, memo, budget) for i in op.inputs]
+    if any(i is None for i in inputs):
+        return None
+    placement = next((p for _, p in inputs if p is not None), None)
+    if placement is None:
+        return None
+    inferred = {a.type_attr for a in op.op_def.input_arg}
+    attrs = {a.name: op.get_attr(a.name) for a in op.op_def.attr if a.name not in inferred}
+    names = [a.name for a in op.op_def.input_arg]
+    parts = []
+    for j in range(k):
+        with placement.ops(j):
+            parts.append(getattr(tf.raw_ops, op.type)(**dict(zip(names, (i[0][j] for i in inputs))), **attrs))
+    return parts, placement
 
 
 def _row_inputs(x, axis: int, k: int) -> list:
