@@ -181,7 +181,9 @@ def _find_parts(t, axis, k, shape, memo, budget) -> tuple | None:
         parts, part_axis, placement = entry
         same_graph = all(getattr(p, "graph", None) is getattr(t, "graph", None) for p in parts)
         return (list(parts), placement) if len(parts) == k and part_axis == axis and same_graph else None
-    if t.shape.rank is not None and t.shape.num_elements() == 1:
+    if t.shape.rank is None:
+        return None
+    if t.shape.num_elements() == 1:
         return [t] * k, None                              # a scalar: read whole by every part
     if tf.executing_eagerly() or t.shape.as_list() != shape or t.op.type not in _ELEMENTWISE_OPS:
         return None
