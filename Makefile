@@ -40,7 +40,8 @@ notebooks: $(STAMP)
 # against replicas (ResNet-50, SN-GAN on 1, 2, 4, 8); then the asynchronous regime (2 workers + 1 ps
 # against the synchronous strategy, with and without a straggler), D4PG's actors and learner, and
 # the optimizer state sharded against unsharded (bytes per device, peak RSS, step time); peak RSS
-# with and without keras.RematScope.
+# with and without keras.RematScope; model parallelism's levers (bytes per device; peak RSS, the
+# largest model in 1 GiB per device and step time paired against replicated).
 bench: $(STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.first_step
@@ -52,6 +53,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.remat_memory
 	$(PY) -m benchmarks.model_parallel
 	$(PY) -m benchmarks.model_parallel --pairing
+	$(PY) -m benchmarks.model_parallel_budget
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

@@ -38,6 +38,7 @@ The outputs (from the JSON):
 
 Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_throughput``,
 ``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``, ``remat_memory``,
-``model_parallel``, ``backup_soak`` (random SIGKILLs and restarts against the crash-consistent
+``model_parallel``, ``model_parallel_budget`` (each lever's memory per device, the largest model in
+1 GiB per device, step time paired against replicated), ``backup_soak`` (random SIGKILLs and restarts against the crash-consistent
 backups; what the commit costs).
 """

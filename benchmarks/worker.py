@@ -2,7 +2,7 @@
 
 Usage: ``python -m benchmarks.worker '<spec as JSON>'``. The spec's ``kind`` says
 what to measure (``env``, ``memcopy``, ``allreduce``, ``train``,
-``multiworker``, ...; :data:`KINDS`); the other keys are that kind's parameters
+``multiworker``, ``model_parallel``, ...; :data:`KINDS`); the other keys are that kind's parameters
 (see the ``run_<kind>`` functions). The worker prints exactly one line
 ``RESULT <json>`` on stdout (:mod:`benchmarks.protocol`), and exits non-zero on
 failure.
@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.allreduce import run_allreduce
 from benchmarks.machine import cpu_seconds, run_env, run_memcopy
+from benchmarks.model_parallel_budget import run_lever
 from benchmarks.multiworker import run_multiworker, run_mw_task
 from benchmarks.protocol import emit_result
 from benchmarks.training_throughput import run_train
@@ -44,6 +45,7 @@ KINDS = {
     "multiworker": run_multiworker,
     "mw_task": run_mw_task,
     "input_pipeline": run_input_pipeline,
+    "model_parallel": run_lever,
 }
 
 

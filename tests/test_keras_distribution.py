@@ -4,6 +4,8 @@ A script written for JAX's distribution API (no strategy in it) is run after
 `set_distribution(DataParallel(...))` and compared with the same model under
 `kr.ReplicatorStrategy()`'s scope (the same weights: the same engine) and on one
 device (weights to 1e-5: the replicas' partial sums are added in another order).
+Under `ModelParallel(layout_map=...)`, an MLP and a transformer block (Embedding,
+MultiHeadAttention, FFN, output projection) against one device.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def max_difference(a, b):
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights(), strict=True))
 
 
-def replicated_over(model):
-    value = model.layers[0].kernel.value
+def replicated_over(model, layer=None):
+    value = (model.get_layer(layer) if layer else model.layers[0]).kernel.value
     return tuple(v.device for v in value.values) if isinstance(value, tf.distribute.DistributedValues) else ()
 
 
@@ -171,6 +173,82 @@ def test_model_parallel_script_trains_as_one_device():
         "row/kernel_shard0", "row/kernel_shard1"]
     keras.distribution.set_distribution(None)
     reference, ref_losses = model_parallel_script()
+    assert max_difference(model, reference) <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+V, T, D, HEADS = 32, 6, 16, 4
+IDS = np.random.default_rng(2).integers(0, V, (48, T))
+NEXT = np.roll(IDS, -1, axis=1)
+
+
+def transformer_script(epochs=2):
+    """A transformer block written for JAX's distribution API: embedding, attention, FFN, output projection."""
+    keras.utils.set_random_seed(7)
+    ids = keras.Input((T,), dtype="int32")
+    x = keras.layers.Embedding(V, D, name="token")(ids)
+    a = keras.layers.MultiHeadAttention(HEADS, D // HEADS, name="mha")(x, x, use_causal_mask=True)
+    x = keras.layers.LayerNormalization(name="norm")(x + a)
+    f = keras.layers.Dense(32, activation="gelu", name="ffn_in")(x)
+    x = x + keras.layers.Dense(D, name="ffn_out")(f)
+    model = keras.Model(ids, keras.layers.Dense(V, name="logits")(x))
+    model.compile(keras.optimizers.AdamW(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(IDS, NEXT, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def megatron_layout_map(mesh):
+    """Megatron's splits in Keras's vocabulary, as a JAX user writes them."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*token/embeddings"] = ("model", None)                     # by vocabulary
+    layout_map[".*mha/(query|key|value)/kernel"] = (None, "model", None)   # by heads
+    layout_map[".*mha/(query|key|value)/bias"] = ("model", None)
+    layout_map[".*mha/attention_output/kernel"] = ("model", None, None)    # row-parallel
+    layout_map[".*ffn_in/kernel"] = (None, "model")                        # column-parallel
+    layout_map[".*ffn_in/bias"] = ("model",)
+    layout_map[".*ffn_out/kernel"] = ("model", None)                       # row-parallel
+    layout_map[".*logits/kernel"] = (None, "model")
+    return layout_map
+
+
+@pytest.fixture(scope="module")
+def transformer_one_device():
+    return transformer_script()
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+def test_transformer_script_under_model_parallel_trains_as_one_device(shape, transformer_one_device, monkeypatch):
+    """The JAX-style transformer script after set_distribution(ModelParallel(layout_map=...)):
+    every rule's variable sharded over the model axis, attention computed by heads, weights and
+    losses as one device's after 12 AdamW steps."""
+    from keras_replicator._compat import keras_layouts
+
+    by_heads, calls = keras_layouts._attention_by_heads, []
+    monkeypatch.setattr(keras_layouts, "_attention_by_heads", lambda *a: calls.append(1) or by_heads(*a))
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], [f"cpu:{i}" for i in range(4)])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=megatron_layout_map(mesh)))
+    model, losses = transformer_script()
+    keras.distribution.set_distribution(None)
+    strategy = model.distribute_strategy
+    assert (strategy.num_replicas_in_sync, strategy.devices_per_replica) == shape
+    shards = sorted(w.path for w in model.weights if "_shard" in w.path)
+    names = ["ffn_in/bias", "ffn_in/kernel", "ffn_out/kernel", "logits/kernel", "mha/attention_output/kernel",
+             *(f"mha/{p}/{w}" for p in ("key", "query", "value") for w in ("bias", "kernel")), "token/embeddings"]
+    assert shards == sorted(f"{n}_shard{j}" for n in names for j in range(shape[1]))
+    assert calls, "MultiHeadAttention was not computed by heads"
+    reference, ref_losses = transformer_one_device
+    assert max_difference(model, reference) <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_transformer_script_under_data_parallel_trains_as_one_device(transformer_one_device):
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model, losses = transformer_script()
+    keras.distribution.set_distribution(None)
+    assert model.distribute_strategy.num_replicas_in_sync == 4
+    assert len(replicated_over(model, "ffn_in")) == 4
+    reference, ref_losses = transformer_one_device
+    assert not replicated_over(reference, "ffn_in")
     assert max_difference(model, reference) <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
