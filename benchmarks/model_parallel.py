@@ -34,7 +34,8 @@ Writes ``model_parallel.json`` and ``model_parallel.md`` to ``--out``.
 model's median `fit` step under ``tp1x8`` and ``tp2x4`` with each row-parallel layer
 reading its column-parallel layer's parts and with the gather between them
 (`parallel_layers.PAIRING = False`), both traced in one process and timed in
-alternating windows; writes ``model_parallel_pairing.json`` and ``.md``.
+alternating windows, and the forward pass's bytes between devices of each
+(`forward_bytes_moved`); writes ``model_parallel_pairing.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,46 @@ def run_config(config: str, model_name: str, steps: int) -> dict:
     return out
 
 
+def forward_bytes_moved(config: str, model_name: str) -> dict:
+    """MiB of the forward pass's tensors read on another device than the one that made them,
+    paired and gathered, counted in the traced graph of one replica (its share of the global
+    batch 16): each tensor once per device reading it, devices as the ops request them (none:
+    logical device 0). Forward only: outside a strategy the tape's ops request no device."""
+    import keras
+    import tensorflow as tf
+
+    from keras_replicator.model_parallel import parallel_layers
+    from keras_replicator.model_parallel.sharding import ModelSharding
+
+    data, k = (1, 8) if config == "tp1x8" else (2, 4)
+    mesh = keras.distribution.DeviceMesh((data, k), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+    with ModelSharding(megatron_layout(mesh)).scope():
+        model = transformer(**MODELS[model_name])
+    spec = tf.TensorSpec((16 // data, MODELS[model_name]["seq"]), tf.int32)
+    out = {}
+    for paired in (True, False):
+        parallel_layers.PAIRING = paired
+        graph = tf.function(lambda ids: model(ids)).get_concrete_function(spec).graph
+        home = tf.DeviceSpec.from_string(mesh.devices[0, 0]).to_string()
+
+        def device(op, home=home):
+            return tf.DeviceSpec.from_string(op.device).to_string() if op.device else home
+
+        moved, stack, seen = {}, [t.op for t in graph.outputs], set()
+        while stack:
+            op = stack.pop()
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            stack += [t.op for t in op.inputs]
+            for t in op.inputs:
+                if t.dtype not in (tf.resource, tf.variant) and device(t.op) != device(op):
+                    moved[(t.name, device(op))] = t.shape.num_elements() * t.dtype.size
+        out["paired" if paired else "unpaired"] = sum(moved.values()) / MIB
+    parallel_layers.PAIRING = True
+    return out
+
+
 def pairing_step_times(config: str, model_name: str, steps: int, rounds: int) -> dict:
     """One process: the train function traced paired and unpaired, timed in alternating windows
     of `steps` steps (ABBA order), `rounds` times each."""
@@ -169,6 +210,7 @@ def pairing_step_times(config: str, model_name: str, steps: int, rounds: int) ->
 
     from keras_replicator.model_parallel import parallel_layers
 
+    moved = forward_bytes_moved(config, model_name)
     spec = MODELS[model_name]
     with strategy_for(config).scope():
         model = transformer(**spec)
@@ -206,7 +248,7 @@ def pairing_step_times(config: str, model_name: str, steps: int, rounds: int) ->
         window(paired)
         assert any(pairs) == paired, "the pairing did not run as configured"
     out: dict = {"config": config, "model": model_name, "steps_per_window": steps,
-                 "paired": [], "unpaired": []}
+                 "forward_mib_between_devices": moved, "paired": [], "unpaired": []}
     for r in range(rounds):
         for paired in ((True, False) if r % 2 == 0 else (False, True)):
             out["paired" if paired else "unpaired"].append(window(paired))
@@ -236,13 +278,17 @@ def pairing_table(rows: list[dict]) -> str:
           f"heads, FFN {spec['ffn']}, sequence {spec['seq']}), AdamW, global batch 16, 8 simulated CPU "
           f"devices; the median step of each window of {rows[0]['steps_per_window']} steps, "
           f"{len(rows[0]['paired'])} windows per mode, alternating, in one process per mesh.\n",
-          "| mesh | paired: median step s | unpaired (gather) s | paired / unpaired, median of windows "
-          "| window ratios min - max | load average |", "|---|---:|---:|---:|---|---:|"]
+          "Forward MiB between devices: tensors read on another device than the one that made them, "
+          "in one replica's traced forward pass (`forward_bytes_moved`).\n",
+          "| mesh | forward MiB between devices, paired | gathered | paired: median step s | gathered s "
+          "| paired / gathered, median of windows | window ratios min - max | load average |",
+          "|---|---:|---:|---:|---:|---:|---|---:|"]
     for row in rows:
         ratios = [p / u for p, u in zip(row["paired"], row["unpaired"])]
-        md.append(f"| {row['config']} | {statistics.median(row['paired']):.3f} | "
-                  f"{statistics.median(row['unpaired']):.3f} | {row['ratio']:.2f}x | "
-                  f"{min(ratios):.2f}x - {max(ratios):.2f}x | {row['load_average_1min']:.1f} |")
+        moved = row["forward_mib_between_devices"]
+        md.append(f"| {row['config']} | {moved['paired']:.1f} MiB | {moved['unpaired']:.1f} MiB | "
+                  f"{statistics.median(row['paired']):.3f} | {statistics.median(row['unpaired']):.3f} | "
+                  f"{row['ratio']:.2f}x | {min(ratios):.2f}x - {max(ratios):.2f}x | {row['load_average_1min']:.1f} |")
     return "\n".join(md) + "\n"
 
 
