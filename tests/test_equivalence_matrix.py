@@ -6,7 +6,9 @@ filtered dataset, `repeat()` with `steps_per_epoch`, a last short batch. Optimiz
 SGD, AdamW and a staircase schedule (both read `iterations`). Paths: the step
 traced once, traced per replica, `shard_optimizer_state=True`,
 `steps_per_execution=3` (this process, 4 replicas) and 2 workers x 2 replicas
-(one launched job); and a custom loop (generator, AdamW). One device's cells are
+(one launched job); and custom loops (`strategy.run` on `next(iterator)` until
+`OutOfRangeError` on a generator and a batched dataset, and `for batch in dataset`;
+AdamW). One device's cells are
 computed once, in a fresh interpreter with one device, while this process computes
 its own.
 
@@ -15,7 +17,8 @@ reads each epoch's last step from an exhausted iterator, and the step's ops that
 need no data run anyway (an inlined call is not strict): one device counts 27
 `iterations` for 24 batches. The step traced once was called strictly and counted
 24, so AdamW and schedules drifted by 1e-3; it now runs those ops when Keras's
-train function finds the iterator exhausted (`_compat/exhausted_step.py`).
+train function finds the iterator exhausted (`_compat/exhausted_step.py`), and in
+a custom loop before the fetch (`_compat/effects_before_fetch.py`).
 """
 
 import io
@@ -91,18 +94,6 @@ PATHS = {
 RACY_PER_REPLICA = {f"{kind}/adamw" for kind in UNKNOWN_CARDINALITY}
 
 
-# The known gap of a custom loop: its `tf.function` ends the epoch with the iterator's
-# `OutOfRangeError`, which nothing of ours sees, so the step traced once counts no increment
-# for the cut-short last step, where one device's inlined step counts one (docs/input.md).
-# The count is asserted exactly (one fewer per epoch, so the test fails if it changes either
-# way); AdamW reads it, so the weights are not compared with one device's.
-def settle_custom_loop_count(ours: dict, reference: dict) -> None:
-    for cell in list(ours):
-        got, want = ours[cell]["iterations"], reference[cell]["iterations"]
-        assert got == want - job.EPOCHS, f"{cell}: iterations {got} (one device {want})"
-        ours[cell] = reference[cell]
-
-
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_four_replicas_match_one_device(path, one_device):
     options, steps_per_execution = PATHS[path]
@@ -116,14 +107,19 @@ def test_four_replicas_match_one_device(path, one_device):
     assert not mismatches(ours, reference), f"{path}: " + "; ".join(mismatches(ours, reference))
 
 
-def test_custom_loop_matches_one_device(one_device):
-    # The same step in a custom loop: `strategy.run` on `next(iterator)` in a tf.function
-    # until OutOfRangeError; one device counts its partial last step as `fit` does.
+@pytest.mark.parametrize("cell", job.CUSTOM_LOOPS)
+def test_custom_loop_matches_one_device(cell, one_device):
+    # The same step in a custom loop. "next": `strategy.run` on `next(iterator)` in a
+    # tf.function until OutOfRangeError; one device's inlined step counts the failing last
+    # call of each epoch, whatever the input's cardinality, and so must ours (its effects
+    # run before the fetch: `_compat/effects_before_fetch.py`). "for": `for batch in dataset`
+    # inside the tf.function; no call fails, and only the batches count.
     strategy = kr.ReplicatorStrategy()
-    ours = {"generator/adamw": job.train_custom_loop(strategy)}
-    reference = one_device()["loop"]
-    assert reference["generator/adamw"]["iterations"] == job.STEPS * job.EPOCHS + job.EPOCHS
-    settle_custom_loop_count(ours, reference)
+    ours = {cell: job.train_custom_loop(strategy, cell)}
+    reference = {cell: one_device()["loop"][cell]}
+    extra = 0 if cell.endswith("/for") else job.EPOCHS
+    assert reference[cell]["iterations"] == job.STEPS * job.EPOCHS + extra
+    assert ours[cell]["replica_gap"] == 0.0, "the replicas' copies differ"
     assert not mismatches(ours, reference), "; ".join(mismatches(ours, reference))
 
 
