@@ -27,8 +27,10 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator import launch as launcher
@@ -145,3 +147,39 @@ def test_two_workers_of_two_replicas_match_one_device(tmp_path, one_device):
     reference = one_device()["spe1"]
     assert not mismatches(workers[1], workers[0], 0.0), "the workers disagree"
     assert not mismatches(workers[0], reference), "; ".join(mismatches(workers[0], reference))
+
+
+def test_custom_loop_keeps_the_whole_step_where_the_ordering_would_cycle():
+    # An op that already depends on the fetched batch writes a variable the step's input-free
+    # effects read (AdamW's decay reads the learning rate): ordering the effects before the
+    # fetch would make a cycle ("nodes in a cycle" when the function runs). The whole step is
+    # called instead, and the failing call counts nothing (docs/input.md).
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((job.FEATURES,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.01)
+        optimizer.build(model.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((model(x) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train(iterator):
+        x, y = next(iterator)
+        first = strategy.experimental_local_results(x)[0]
+        optimizer.learning_rate.assign(0.01 + 0.0 * tf.reduce_sum(first))
+        return strategy.run(step, args=(x, y))
+
+    x, y = job._data(4 * job.BATCH)
+    iterator = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(job.BATCH)))
+    with pytest.raises(tf.errors.OutOfRangeError):
+        for _ in range(5):
+            train(iterator)
+    assert int(optimizer.iterations.numpy()) == 4
+    for variable in model.weights:
+        copies = [c.numpy() for c in strategy.experimental_local_results(variable)]
+        assert all(np.array_equal(c, copies[0]) for c in copies[1:])
