@@ -94,43 +94,63 @@ def train_cells(strategy=None, steps_per_execution: int = 1, inputs=INPUTS, opti
     return cells
 
 
-def train_custom_loop(strategy=None) -> dict:
-    """The generator x AdamW cell in a custom loop: `strategy.run(step, args=(next(iterator),))`
-    inside a `tf.function`, each epoch ended by the `OutOfRangeError` of its last call."""
+CUSTOM_LOOPS = ("generator/adamw/next", "dataset/adamw/next", "generator/adamw/for")
+
+
+def train_custom_loop(strategy=None, cell: str = "generator/adamw/next") -> dict:
+    """A cell ("input/optimizer/loop") in a custom loop: with "next", `strategy.run(step,
+    args=next(iterator))` inside a `tf.function`, each epoch ended by the `OutOfRangeError`
+    of its last call; with "for", `for batch in dataset: strategy.run(step, args=batch)`
+    inside a `tf.function` (no call fails). Also records how far apart the replicas'
+    copies of the weights are ("replica_gap", 0 on one device)."""
+    kind, optimizer_kind, loop = cell.split("/")
     strategy = strategy or tf.distribute.get_strategy()
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
                                   keras.layers.Dense(1)])
-        optimizer = make_optimizer("adamw")
+        optimizer = make_optimizer(optimizer_kind)
         optimizer.build(model.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((model(x) - y) ** 2) / BATCH
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
 
     @tf.function
     def train(iterator):
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum((model(x) - y) ** 2) / BATCH
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-            return loss
-
         return strategy.run(step, args=next(iterator))
 
-    data = strategy.experimental_distribute_dataset(fit_arguments("generator")["x"])
+    @tf.function
+    def train_epoch(dataset):
+        for batch in dataset:
+            strategy.run(step, args=batch)
+
+    data = strategy.experimental_distribute_dataset(fit_arguments(kind)["x"])
     for _ in range(EPOCHS):
+        if loop == "for":
+            train_epoch(data)
+            continue
         iterator = iter(data)
         while True:
             try:
                 train(iterator)
             except tf.errors.OutOfRangeError:
                 break
-    return {"iterations": int(optimizer.iterations.numpy()), "weights": [w.tolist() for w in model.get_weights()]}
+    gap = 0.0
+    for v in model.weights + optimizer.variables:
+        copies = [c.numpy() for c in strategy.experimental_local_results(v)]
+        gap = max([gap] + [float(np.max(np.abs(c - copies[0]))) for c in copies[1:]])
+    return {"iterations": int(optimizer.iterations.numpy()), "weights": [w.tolist() for w in model.get_weights()],
+            "replica_gap": gap}
 
 
 def main(argv: list[str]) -> None:
     mode, out = argv
     if mode == "one":
         results = {"spe1": train_cells(), "spe3": train_cells(steps_per_execution=3),
-                   "loop": {"generator/adamw": train_custom_loop()}}
+                   "loop": {cell: train_custom_loop(cell=cell) for cell in CUSTOM_LOOPS}}
         with open(out, "w") as f:
             json.dump(results, f)
         return

@@ -6,7 +6,9 @@ filtered dataset, `repeat()` with `steps_per_epoch`, a last short batch. Optimiz
 SGD, AdamW and a staircase schedule (both read `iterations`). Paths: the step
 traced once, traced per replica, `shard_optimizer_state=True`,
 `steps_per_execution=3` (this process, 4 replicas) and 2 workers x 2 replicas
-(one launched job); and a custom loop (generator, AdamW). One device's cells are
+(one launched job); and custom loops (`strategy.run` on `next(iterator)` until
+`OutOfRangeError` on a generator and a batched dataset, and `for batch in dataset`;
+AdamW). One device's cells are
 computed once, in a fresh interpreter with one device, while this process computes
 its own.
 
@@ -15,7 +17,8 @@ reads each epoch's last step from an exhausted iterator, and the step's ops that
 need no data run anyway (an inlined call is not strict): one device counts 27
 `iterations` for 24 batches. The step traced once was called strictly and counted
 24, so AdamW and schedules drifted by 1e-3; it now runs those ops when Keras's
-train function finds the iterator exhausted (`_compat/exhausted_step.py`).
+train function finds the iterator exhausted (`_compat/exhausted_step.py`), and in
+a custom loop before the fetch (`_compat/effects_before_fetch.py`).
 """
 
 import io
@@ -24,8 +27,10 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator import launch as launcher
@@ -91,18 +96,6 @@ PATHS = {
 RACY_PER_REPLICA = {f"{kind}/adamw" for kind in UNKNOWN_CARDINALITY}
 
 
-# The known gap of a custom loop: its `tf.function` ends the epoch with the iterator's
-# `OutOfRangeError`, which nothing of ours sees, so the step traced once counts no increment
-# for the cut-short last step, where one device's inlined step counts one (docs/input.md).
-# The count is asserted exactly (one fewer per epoch, so the test fails if it changes either
-# way); AdamW reads it, so the weights are not compared with one device's.
-def settle_custom_loop_count(ours: dict, reference: dict) -> None:
-    for cell in list(ours):
-        got, want = ours[cell]["iterations"], reference[cell]["iterations"]
-        assert got == want - job.EPOCHS, f"{cell}: iterations {got} (one device {want})"
-        ours[cell] = reference[cell]
-
-
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_four_replicas_match_one_device(path, one_device):
     options, steps_per_execution = PATHS[path]
@@ -116,14 +109,19 @@ def test_four_replicas_match_one_device(path, one_device):
     assert not mismatches(ours, reference), f"{path}: " + "; ".join(mismatches(ours, reference))
 
 
-def test_custom_loop_matches_one_device(one_device):
-    # The same step in a custom loop: `strategy.run` on `next(iterator)` in a tf.function
-    # until OutOfRangeError; one device counts its partial last step as `fit` does.
+@pytest.mark.parametrize("cell", job.CUSTOM_LOOPS)
+def test_custom_loop_matches_one_device(cell, one_device):
+    # The same step in a custom loop. "next": `strategy.run` on `next(iterator)` in a
+    # tf.function until OutOfRangeError; one device's inlined step counts the failing last
+    # call of each epoch, whatever the input's cardinality, and so must ours (its effects
+    # run before the fetch: `_compat/effects_before_fetch.py`). "for": `for batch in dataset`
+    # inside the tf.function; no call fails, and only the batches count.
     strategy = kr.ReplicatorStrategy()
-    ours = {"generator/adamw": job.train_custom_loop(strategy)}
-    reference = one_device()["loop"]
-    assert reference["generator/adamw"]["iterations"] == job.STEPS * job.EPOCHS + job.EPOCHS
-    settle_custom_loop_count(ours, reference)
+    ours = {cell: job.train_custom_loop(strategy, cell)}
+    reference = {cell: one_device()["loop"][cell]}
+    extra = 0 if cell.endswith("/for") else job.EPOCHS
+    assert reference[cell]["iterations"] == job.STEPS * job.EPOCHS + extra
+    assert ours[cell]["replica_gap"] == 0.0, "the replicas' copies differ"
     assert not mismatches(ours, reference), "; ".join(mismatches(ours, reference))
 
 
@@ -149,3 +147,39 @@ def test_two_workers_of_two_replicas_match_one_device(tmp_path, one_device):
     reference = one_device()["spe1"]
     assert not mismatches(workers[1], workers[0], 0.0), "the workers disagree"
     assert not mismatches(workers[0], reference), "; ".join(mismatches(workers[0], reference))
+
+
+def test_custom_loop_keeps_the_whole_step_where_the_ordering_would_cycle():
+    # An op that already depends on the fetched batch writes a variable the step's input-free
+    # effects read (AdamW's decay reads the learning rate): ordering the effects before the
+    # fetch would make a cycle ("nodes in a cycle" when the function runs). The whole step is
+    # called instead, and the failing call counts nothing (docs/input.md).
+    strategy = kr.ReplicatorStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((job.FEATURES,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.01)
+        optimizer.build(model.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((model(x) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train(iterator):
+        x, y = next(iterator)
+        first = strategy.experimental_local_results(x)[0]
+        optimizer.learning_rate.assign(0.01 + 0.0 * tf.reduce_sum(first))
+        return strategy.run(step, args=(x, y))
+
+    x, y = job._data(4 * job.BATCH)
+    iterator = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(job.BATCH)))
+    with pytest.raises(tf.errors.OutOfRangeError):
+        for _ in range(5):
+            train(iterator)
+    assert int(optimizer.iterations.numpy()) == 4
+    for variable in model.weights:
+        copies = [c.numpy() for c in strategy.experimental_local_results(variable)]
+        assert all(np.array_equal(c, copies[0]) for c in copies[1:])

@@ -25,10 +25,12 @@ increment lost in 2 runs of 3 on an idle machine, AdamW's decay on some replicas
 only), where running them after is deterministic, reads the same state (nothing
 else ran in between) and writes the same values.
 
-Not covered: a custom loop that calls `strategy.run` in its own `tf.function`
-until `OutOfRangeError` (nothing of ours sees that error), and TensorFlow's own
-per-replica tracing (`trace_once=False`, `devices_per_replica > 1`), whose
-inlined step is cut short at a moment that varies. docs/input.md says so.
+A custom loop that calls `strategy.run` beside `next(iterator)` in its own
+`tf.function` until `OutOfRangeError` (nothing of ours sees that error) runs
+them before the fetch instead (`effects_before_fetch`). Not covered:
+TensorFlow's own per-replica tracing (`trace_once=False`, `devices_per_replica
+> 1`), whose inlined step is cut short at a moment that varies. docs/input.md
+says so.
 
 What it reads, checked on TensorFlow 2.21 / Keras 3.15: a `ConcreteFunction`'s
 `graph` (`inputs`, `control_outputs`, ops' `inputs` and `control_inputs`),
@@ -68,7 +70,7 @@ class ReplicaEffects:
             self.function(tf.constant(self.replica_id, tf.int32), *self.captures)
 
 
-def _dependents(graph, sources: set) -> set:
+def dependents(graph, sources: set) -> set:
     """Every op of `graph` that depends on an op of `sources`, by data or control."""
     found = set(sources)
     changed = True
@@ -82,7 +84,7 @@ def _dependents(graph, sources: set) -> set:
     return found
 
 
-def _ancestors(ops_: list) -> set:
+def ancestors(ops_: list) -> set:
     """`ops_` and every op they depend on, by data or control."""
     found, stack = set(), list(ops_)
     while stack:
@@ -95,7 +97,7 @@ def _ancestors(ops_: list) -> set:
     return found
 
 
-def _copy_ops(source_ops: list, op_map: dict) -> None:
+def copy_ops(source_ops: list, op_map: dict) -> None:
     """Copies `source_ops` (in order) into the default graph, inputs through `op_map`."""
     graph = ops.get_default_graph()
     for op in source_ops:
@@ -109,8 +111,26 @@ def _copy_ops(source_ops: list, op_map: dict) -> None:
         op_map[op] = copied
         for old, new in zip(op.outputs, copied.outputs):
             op_map[old] = new
-            if old.dtype in (tf.resource, tf.variant):
-                handle_data_util.copy_handle_data(old, new)
+            copy_handle(old, new)
+
+
+def copy_handle(old: tf.Tensor, new: tf.Tensor) -> None:
+    """A resource's or variant's handle data (its dtype and shape) copied to its copy."""
+    if old.dtype in (tf.resource, tf.variant):
+        handle_data_util.copy_handle_data(old, new)
+
+
+def input_free_ops(traced, stays: Callable[[tf.Tensor], bool]) -> list:
+    """The side effects (control outputs) of `traced` (replica_id, *inputs) that need
+    no input (nor anything that does), but for writes `stays` keeps (see below)."""
+    graph = traced.graph
+    n_captures = len(traced.captured_inputs)
+    inputs = graph.inputs[1:len(graph.inputs) - n_captures]
+    captures = graph.inputs[len(graph.inputs) - n_captures:]
+    staying = {id(t) for t, c in zip(captures, traced.captured_inputs) if stays(c)}
+    dependent = dependents(graph, {t.op for t in inputs})
+    return [op for op in graph.control_outputs if op not in dependent
+            and not any(id(t) in staying for t in op.inputs)]
 
 
 def input_free_effects(traced, stays: Callable[[tf.Tensor], bool]) -> tuple[object, list[int]] | None:
@@ -130,15 +150,12 @@ def input_free_effects(traced, stays: Callable[[tf.Tensor], bool]) -> tuple[obje
     """
     graph = traced.graph
     n_captures = len(traced.captured_inputs)
-    replica_id, *inputs = graph.inputs[:len(graph.inputs) - n_captures]
+    replica_id = graph.inputs[0]
     captures = graph.inputs[len(graph.inputs) - n_captures:]
-    staying = {id(t) for t, c in zip(captures, traced.captured_inputs) if stays(c)}
-    dependent = _dependents(graph, {t.op for t in inputs})
-    effects = [op for op in graph.control_outputs if op not in dependent
-               and not any(id(t) in staying for t in op.inputs)]
+    effects = input_free_ops(traced, stays)
     if not effects:
         return None
-    needed = _ancestors(effects)
+    needed = ancestors(effects)
     used = [i for i, t in enumerate(captures) if t.op in needed]
     arguments = {replica_id.op, *(t.op for t in captures)}
     order = [op for op in graph.get_operations() if op in needed and op not in arguments]
@@ -149,11 +166,10 @@ def input_free_effects(traced, stays: Callable[[tf.Tensor], bool]) -> tuple[obje
             ops.get_default_graph()._add_function_recursive(f)
         op_map = object_identity.ObjectIdentityDictionary()
         for old, new in zip([replica_id, *(captures[i] for i in used)], [rid, *capture_args]):
-            if old.dtype in (tf.resource, tf.variant):
-                handle_data_util.copy_handle_data(old, new)
+            copy_handle(old, new)
             op_map[old] = new
             op_map[old.op] = new.op
-        _copy_ops(order, op_map)
+        copy_ops(order, op_map)
         return []
 
     specs = [tf.TensorSpec([], tf.int32), *(tf.TensorSpec(captures[i].shape, captures[i].dtype) for i in used)]
@@ -166,6 +182,11 @@ def input_free_effects(traced, stays: Callable[[tf.Tensor], bool]) -> tuple[obje
 _recording = threading.local()
 
 
+def recording() -> bool:
+    """Whether a train function wrapped here is being called (and maybe traced) in this thread."""
+    return getattr(_recording, "sink", None) is not None
+
+
 def record(traced, replicas: list[tuple[str, int, list]], stays: Callable[[tf.Tensor], bool]) -> None:
     """Records the input-free effects of `traced` for `replicas` ((device, replica id, captures)
     each) if a train function wrapped here is being traced in this thread; else does nothing.
@@ -173,9 +194,9 @@ def record(traced, replicas: list[tuple[str, int, list]], stays: Callable[[tf.Te
     A capture that is not an eager tensor (a value of the caller's graph) cannot be
     passed after the call failed: then nothing is recorded, and the step counts as
     before (docs/input.md)."""
-    sink = getattr(_recording, "sink", None)
-    if sink is None:
+    if not recording():
         return
+    sink = _recording.sink
     found = input_free_effects(traced, stays)
     if found is None:
         return

@@ -34,9 +34,9 @@ What it patches or reads, checked on TensorFlow 2.21:
 * `context.function_call_options` (set while the calls are made): the calls'
   Grappler settings, see `_replica_call_options`.
 
-A trace whose side effects include some that need no input records them
-(`exhausted_step`): when Keras's train function finds the iterator exhausted,
-they run, as in the inlined step of one device.
+A trace whose side effects include some that need no input runs them as the
+inlined step of one device does on an exhausted iterator (`effects_before_fetch`):
+before the fetch in a custom loop, else after Keras's train function failed.
 
 What cannot be traced once falls back to TensorFlow's per-replica tracing,
 logged once with the reason: a `merge_call` this module does not replace,
@@ -65,7 +65,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import collective_launcher, exhausted_step, replica_invariance
+from keras_replicator._compat import collective_launcher, effects_before_fetch, replica_invariance
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.model_parallel import fsdp
 
@@ -437,11 +437,12 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
         traced = trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers)
         captures = _per_replica_captures(list(traced.captured_inputs), n, registry, swaps)
         _refuse_shared_writes(traced, captures)
-        # What needs no input, run when the iterator is found exhausted (`exhausted_step`).
-        exhausted_step.record(traced, [(devices[d], replica_ids[d], captures[d]) for d in members],
-                              lambda capture: id(capture) in swaps or registry.on_read(capture))
-        for d in members:
-            call_for[d] = functools.partial(_call_whole(traced), captures=captures[d])
+        # What needs no input runs as one device's inlined step runs it on an exhausted iterator.
+        calls = effects_before_fetch.replica_calls(
+            traced, [(devices[d], replica_ids[d], captures[d]) for d in members], [tensors[d] for d in members],
+            lambda capture: id(capture) in swaps or registry.on_read(capture))
+        for d, call in zip(members, calls):
+            call_for[d] = functools.partial(call, captures=captures[d])
 
     def every_replica():
         graph = ops.get_default_graph()
@@ -465,13 +466,6 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     every = tf.function(every_replica, autograph=False, experimental_attributes={"_disable_acd": True})
     outputs = every()
     return distribute_utils.regroup(tuple(outputs))
-
-
-def _call_whole(traced) -> Callable:
-    def call(replica_id, inputs: list, captures: list):
-        return traced._call_flat([replica_id, *inputs], captures)
-
-    return call
 
 
 @contextlib.contextmanager
