@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.backup_soak --kills 50 --json benchmarks/results/backup_soak.json
 	$(PY) -m benchmarks.remat_memory
 	$(PY) -m benchmarks.model_parallel
+	$(PY) -m benchmarks.model_parallel --pairing
 	$(PY) -m benchmarks.model_parallel_budget
 
 bench-quick: $(STAMP)

@@ -102,7 +102,9 @@ def build_model(name: str, depth: int = 8):
     return keras.Model(inputs, keras.layers.Dense(vocab)(h))
 
 
-def _run(code: str, *args: str) -> dict:
+def run_fresh(code: str, *args: str) -> dict:
+    """Runs `code` in a fresh interpreter (its own device count, its own peak RSS); its last
+    line of output, JSON."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
     result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                             env=env, cwd=ROOT, timeout=3600)
@@ -111,8 +113,17 @@ def _run(code: str, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def paired_runs_arguments(argv, description: str, quick: str, pairs: int) -> argparse.Namespace:
+    """The options of a benchmark of alternating fresh processes: --quick, --pairs, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--pairs", type=int, default=pairs)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    return parser.parse_args(argv)
+
+
 def state_bytes() -> dict:
-    rows = _run(_STATE_BYTES)
+    rows = run_fresh(_STATE_BYTES)
     for row in rows.values():
         n = len(row["unsharded"])
         row["ratio_to_ideal"] = max(row["sharded"]) / (max(row["unsharded"]) / n)
@@ -123,7 +134,7 @@ def rss_and_step(pairs: int, steps: int) -> dict:
     runs = {"unsharded": [], "sharded": []}
     for _ in range(pairs):
         for shard in ("0", "1"):
-            runs["sharded" if shard == "1" else "unsharded"].append(_run(_FIT, shard, str(steps)))
+            runs["sharded" if shard == "1" else "unsharded"].append(run_fresh(_FIT, shard, str(steps)))
     slot_bytes = runs["unsharded"][0]["slot_bytes"]
     rss = {k: statistics.median(r["peak_rss"] for r in v) for k, v in runs.items()}
     step = {k: statistics.median(r["step"] for r in v) for k, v in runs.items()}
@@ -151,11 +162,7 @@ def largest_fit(rows: dict, budget_gib: float = 1.0) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 pair of 8-step fits")
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = parser.parse_args(argv)
+    args = paired_runs_arguments(argv, __doc__.splitlines()[0], "1 pair of 8-step fits", pairs=3)
     pairs, steps = (1, 8) if args.quick else (args.pairs, 20)
     rows = state_bytes()
     results = {"state_bytes": rows, "fit": rss_and_step(pairs, steps), "largest_fit": largest_fit(rows)}

@@ -29,6 +29,13 @@ Two models:
   configurations' processes taking turns (replicated first and last).
 
 Writes ``model_parallel.json`` and ``model_parallel.md`` to ``--out``.
+
+``--pairing`` measures Megatron's pairing instead (`pairing_step_times`): the small
+model's median `fit` step under ``tp1x8`` and ``tp2x4`` with each row-parallel layer
+reading its column-parallel layer's parts and with the gather between them
+(`parallel_layers.PAIRING = False`), both traced in one process and timed in
+alternating windows, and the forward pass's bytes between devices of each
+(`forward_bytes_moved`); writes ``model_parallel_pairing.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -155,18 +162,151 @@ def run_config(config: str, model_name: str, steps: int) -> dict:
     return out
 
 
+def forward_bytes_moved(config: str, model_name: str) -> dict:
+    """MiB of the forward pass's tensors read on another device than the one that made them,
+    paired and gathered, counted in the traced graph of one replica (its share of the global
+    batch 16): each tensor once per device reading it, devices as the ops request them (none:
+    logical device 0). Forward only: outside a strategy the tape's ops request no device."""
+    import keras
+    import tensorflow as tf
+
+    from keras_replicator.model_parallel import parallel_layers
+    from keras_replicator.model_parallel.sharding import ModelSharding
+
+    data, k = (1, 8) if config == "tp1x8" else (2, 4)
+    mesh = keras.distribution.DeviceMesh((data, k), ["batch", "model"], [f"cpu:{i}" for i in range(8)])
+    with ModelSharding(megatron_layout(mesh)).scope():
+        model = transformer(**MODELS[model_name])
+    spec = tf.TensorSpec((16 // data, MODELS[model_name]["seq"]), tf.int32)
+    out = {}
+    for paired in (True, False):
+        parallel_layers.PAIRING = paired
+        graph = tf.function(lambda ids: model(ids)).get_concrete_function(spec).graph
+        home = tf.DeviceSpec.from_string(mesh.devices[0, 0]).to_string()
+
+        def device(op, home=home):
+            return tf.DeviceSpec.from_string(op.device).to_string() if op.device else home
+
+        moved, stack, seen = {}, [t.op for t in graph.outputs], set()
+        while stack:
+            op = stack.pop()
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            stack += [t.op for t in op.inputs]
+            for t in op.inputs:
+                if t.dtype not in (tf.resource, tf.variant) and device(t.op) != device(op):
+                    moved[(t.name, device(op))] = t.shape.num_elements() * t.dtype.size
+        out["paired" if paired else "unpaired"] = sum(moved.values()) / MIB
+    parallel_layers.PAIRING = True
+    return out
+
+
+def pairing_step_times(config: str, model_name: str, steps: int, rounds: int) -> dict:
+    """One process: the train function traced paired and unpaired, timed in alternating windows
+    of `steps` steps (ABBA order), `rounds` times each."""
+    import keras
+    import numpy as np
+
+    from keras_replicator.model_parallel import parallel_layers
+
+    moved = forward_bytes_moved(config, model_name)
+    spec = MODELS[model_name]
+    with strategy_for(config).scope():
+        model = transformer(**spec)
+        model.compile(keras.optimizers.AdamW(1e-4), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, spec["vocab"], (16 * steps, spec["seq"]))
+    times: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    pairs, column_parts, functions = [], parallel_layers.column_parts, {}
+
+    def counted(*args):                                      # whether each row layer took the parts
+        parts = column_parts(*args)
+        pairs.append(parts is not None)
+        return parts
+
+    parallel_layers.column_parts = counted
+
+    def window(paired: bool) -> float:
+        parallel_layers.PAIRING = paired
+        model.train_function = functions.get(paired)        # each mode keeps its own trace
+        del times[:]
+        model.fit(x, np.roll(x, -1, axis=1), batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[Clock()])
+        functions[paired] = model.train_function
+        return statistics.median(times)
+
+    for paired in (True, False):                             # trace both (first steps not kept)
+        del pairs[:]
+        window(paired)
+        assert any(pairs) == paired, "the pairing did not run as configured"
+    out: dict = {"config": config, "model": model_name, "steps_per_window": steps,
+                 "forward_mib_between_devices": moved, "paired": [], "unpaired": []}
+    for r in range(rounds):
+        for paired in ((True, False) if r % 2 == 0 else (False, True)):
+            out["paired" if paired else "unpaired"].append(window(paired))
+    out["ratio"] = statistics.median(p / u for p, u in zip(out["paired"], out["unpaired"]))
+    out["load_average_1min"] = os.getloadavg()[0]           # the machine is shared: say how busy
+    return out
+
+
+def pairing(out_dir: str, rounds: int, steps: int) -> None:
+    """`pairing_step_times` for tp1x8 and tp2x4 (one fresh process each); writes the results."""
+    rows = [_child(config, "small", steps, rounds) for config in ("tp1x8", "tp2x4")]
+    with open(os.path.join(out_dir, "model_parallel_pairing.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    md = pairing_table(rows)
+    with open(os.path.join(out_dir, "model_parallel_pairing.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def pairing_table(rows: list[dict]) -> str:
+    """The Markdown page of `pairing`'s rows."""
+    spec = MODELS["small"]
+    md = ["<!-- written by python -m benchmarks.model_parallel --pairing: do not edit -->",
+          "# Megatron's pairing: step time with and without the gather between a column- and a "
+          "row-parallel layer\n",
+          f"Small model (vocabulary {spec['vocab']}, d {spec['d']}, {spec['layers']} layers, {spec['heads']} "
+          f"heads, FFN {spec['ffn']}, sequence {spec['seq']}), AdamW, global batch 16, 8 simulated CPU "
+          f"devices; the median step of each window of {rows[0]['steps_per_window']} steps, "
+          f"{len(rows[0]['paired'])} windows per mode, alternating, in one process per mesh.\n",
+          "Forward MiB between devices: tensors read on another device than the one that made them, "
+          "in one replica's traced forward pass (`forward_bytes_moved`).\n",
+          "| mesh | forward MiB between devices, paired | gathered | paired: median step s | gathered s "
+          "| paired / gathered, median of windows | window ratios min - max | load average |",
+          "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for row in rows:
+        ratios = [p / u for p, u in zip(row["paired"], row["unpaired"])]
+        moved = row["forward_mib_between_devices"]
+        md.append(f"| {row['config']} | {moved['paired']:.1f} MiB | {moved['unpaired']:.1f} MiB | "
+                  f"{statistics.median(row['paired']):.3f} | {statistics.median(row['unpaired']):.3f} | "
+                  f"{row['ratio']:.2f}x | {min(ratios):.2f}x - {max(ratios):.2f}x | {row['load_average_1min']:.1f} |")
+    return "\n".join(md) + "\n"
+
+
 _CHILD = r"""
 import json, sys
 import keras_replicator as kr
 kr.simulate_devices(8)
-from benchmarks.model_parallel import run_config
-print("RESULT " + json.dumps(run_config(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+from benchmarks.model_parallel import pairing_step_times, run_config
+args = sys.argv[1], sys.argv[2], int(sys.argv[3])
+result = pairing_step_times(*args, int(sys.argv[4])) if len(sys.argv) > 4 else run_config(*args)
+print("RESULT " + json.dumps(result))
 """
 
 
-def _child(config: str, model_name: str, steps: int) -> dict:
+def _child(config: str, model_name: str, steps: int, rounds: int | None = None) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _CHILD, config, model_name, str(steps)], cwd=ROOT,
+    extra = [] if rounds is None else [str(rounds)]
+    result = subprocess.run([sys.executable, "-c", _CHILD, config, model_name, str(steps), *extra], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=3600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode or not lines:
@@ -201,8 +341,14 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small model only, 3 timed steps")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--pairing", action="store_true",
+                        help="only Megatron's pairing: tp1x8 and tp2x4 with and without (model_parallel_pairing.*)")
+    parser.add_argument("--rounds", type=int, default=4, help="--pairing: windows per mode")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.pairing:
+        pairing(args.out, args.rounds, args.steps)
+        return
     steps = 3 if args.quick else args.steps
     results: dict = {"small": [], "large": []}
     for config in (*CONFIGS, "replicated"):                      # replicated first and last

@@ -16,15 +16,11 @@ Writes ``remat_memory.json`` and ``remat_memory.md`` to the output directory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIB = 2**20
+from benchmarks.memory import MIB, paired_runs_arguments, run_fresh
 
 _RUN = r"""
 import contextlib, json, resource, sys
@@ -62,20 +58,11 @@ json.dump({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 """
 
 
-def run_once(devices: int, remat: bool, width: int, batch: int, steps: int) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.environ.get("PYTHONPATH", ROOT))
-    out = subprocess.run([sys.executable, "-c", _RUN, json.dumps([devices, remat, width, batch, steps])],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def measure(devices: int, pairs: int, width: int, batch: int, steps: int) -> dict:
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(pairs):
         for remat in (False, True):
-            runs[remat].append(run_once(devices, remat, width, batch, steps))
+            runs[remat].append(run_fresh(_RUN, json.dumps([devices, remat, width, batch, steps])))
     loss_gap = max(abs(a - b) for plain, remat in zip(runs[False], runs[True])
                    for a, b in zip(plain["losses"], remat["losses"]))
     rss = {remat: statistics.median(r["peak_rss"] for r in rs) for remat, rs in runs.items()}
@@ -100,11 +87,7 @@ def table(results: list[dict], width: int, batch: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small model, 1 pair, one device")
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = parser.parse_args(argv)
+    args = paired_runs_arguments(argv, __doc__.splitlines()[0], "a small model, 1 pair, one device", pairs=2)
     width, batch, steps = (64, 256, 2) if args.quick else (512, 8192, 3)
     device_counts = (1,) if args.quick else (1, 4)
     pairs = 1 if args.quick else args.pairs

@@ -122,8 +122,10 @@ def init_local(num_cpus: int | None = None, **kwargs: Any):
 
     `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set in this process before Ray is imported and in
     the `runtime_env` of every Ray worker, so that Ray 2.60 listens on 127.0.0.1 and registers
-    the node there, not on the machine's network address; the node's address is checked. Ray
-    reads the variable when it is imported: call this before `import ray` (a `RuntimeError`
+    the node there, not on the machine's network address; the node's address is checked. The
+    instance is a new one even if `RAY_ADDRESS` or `/tmp/ray/ray_current_cluster` names a
+    running cluster, which `ray.init()` would join (another program's, on a shared machine).
+    Ray reads the variable when it is imported: call this before `import ray` (a `RuntimeError`
     says so, before anything starts, if Ray was imported without it). Stop it with
     `ray.shutdown()`. `kwargs` go to `ray.init` (not `address` or `runtime_env`).
 
@@ -150,7 +152,7 @@ def init_local(num_cpus: int | None = None, **kwargs: Any):
     ray = _require("ray")
     _require("ray.train")
     kwargs = {"include_dashboard": False, "log_to_driver": False, **kwargs}
-    ray.init(num_cpus=num_cpus, runtime_env={"env_vars": dict(LOOPBACK_ENV)}, **kwargs)
+    ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": dict(LOOPBACK_ENV)}, **kwargs)
     address = ray.util.get_node_ip_address()
     if address != "127.0.0.1":
         ray.shutdown()

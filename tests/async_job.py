@@ -152,6 +152,32 @@ class Progress(keras.callbacks.Callback):
                 time.sleep(0.1)
 
 
+class UntilWorkerSteps(keras.callbacks.Callback):
+    """Trains at least ``min_epochs``, then until worker ``worker`` has run a step after the hold.
+
+    TensorFlow's ClusterCoordinator gives each closure to whichever worker asks first, so how soon
+    a restarted worker runs a step depends on how long it takes to come back (reconnecting, then
+    its first function) against how fast the others take the queue's closures; under load the
+    other workers took every closure of 11 epochs. The product guarantees that the restarted
+    worker rejoins and then takes closures, not when: so the chief trains until it has run one
+    (after the hold, hence in its new process), with ``MAX_EPOCHS`` as a limit for a hang.
+    """
+
+    MAX_EPOCHS = 300  # at least 0.1 s a batch, 20 batches an epoch: 600 s
+
+    def __init__(self, model, counts: list, worker: int, min_epochs: int, hold_at_epoch: int):
+        super().__init__()
+        self.counter, self.counts, self.worker = model.steps_by_worker, counts, worker
+        self.min_epochs, self.hold_at_epoch = min_epochs, hold_at_epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 < self.min_epochs or epoch <= self.hold_at_epoch:
+            return
+        # counts[hold] was read as the chief held, the killed worker gone, its restart not released.
+        if self.counter.numpy()[self.worker] > self.counts[self.hold_at_epoch][self.worker]:
+            self.model.stop_training = True
+
+
 def optimizer() -> keras.optimizers.Optimizer:
     """fit_mode's optimizer (the test's synchronous reference uses it too).
 
@@ -280,12 +306,17 @@ def faults_mode(strategy, out: str) -> dict:
         on_epoch_end=lambda epoch, logs: counts.append(model.steps_by_worker.numpy().tolist())
     )
     epochs = int(os.environ.get("KR_TEST_EPOCHS", "6"))
+    callbacks = [record, keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))]
+    returning = os.environ.get("KR_TEST_UNTIL_WORKER_STEPS")
+    if returning:
+        callbacks.append(UntilWorkerSteps(model, counts, int(returning), epochs, int(hold)))
+        epochs = UntilWorkerSteps.MAX_EPOCHS
     report: dict = {"epochs_run": progress.epochs, "steps_by_worker": counts}
     try:
         history = model.fit(
             train, epochs=epochs, steps_per_epoch=40, verbose=0,
             # Progress last: when it prints "epoch E done", the backup of epoch E is written.
-            callbacks=[record, keras.callbacks.BackupAndRestore(os.path.join(out, "backup")), progress],
+            callbacks=[*callbacks, progress],
         )
     except kr.errors.ParameterServerLostError as e:
         report.update(error=str(e), lost=e.lost_parameter_servers, failed_at=time.time())

@@ -22,6 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import keras_replicator as kr  # noqa: E402
+from keras_replicator.backup_commits import BackupDirectory  # noqa: E402
 
 if ("--keep-failing" in sys.argv and os.environ.get("KERAS_REPLICATOR_WORKER_INDEX") == "1"
         and os.environ.get("KERAS_REPLICATOR_RESTART_COUNT", "0") != "0"):
@@ -49,7 +50,14 @@ def main(out_dir: str, epochs: int, crash: bool) -> None:
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if crash and restart == 0 and strategy.worker_index == 1 and epoch == 2:
-                time.sleep(3)  # the chief has finished writing epoch 1's backup
+                # Dies once the chief has committed epoch 1's backup (its metadata's "epoch": the
+                # next one, 2), so the restart resumes at epoch 2 however slowly the chief writes
+                # (was: a 3 s sleep).
+                backups = BackupDirectory(os.path.join(out_dir, "backup"))
+                deadline = time.monotonic() + 300  # a limit for a hang
+                while time.monotonic() < deadline and not any(
+                        b.metadata.get("epoch", 0) >= 2 for b in backups.complete()):
+                    time.sleep(0.1)
                 with open(os.path.join(out_dir, "crashed_at"), "w") as f:
                     f.write(repr(time.time()))
                 os._exit(3)

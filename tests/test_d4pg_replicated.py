@@ -4,8 +4,13 @@ Runs in the 2-device process. The Ray tests share one Ray instance on 127.0.0.1 
 ``ray_owner``), shut down at the module's end, and check that no Ray process it started is left.
 """
 
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import keras
@@ -178,6 +183,40 @@ def test_training_writes_outputs_and_resumes(tmp_path, local_ray):
     rows = training.train("Pendulum-v1", str(tmp_path), env_steps=1200, **kwargs)
     assert [int(r["env_steps"]) for r in rows] == [400, 800, 1200]
     assert rows[-1]["updates"] > rows[1]["updates"]
+
+
+_START_RAY = """
+import json
+from keras_replicator.applications.d4pg import actors
+ray = actors.start_ray()  # as the notebook calls it (with num_cpus, Ray would refuse to join)
+print("started", json.dumps(ray.get_runtime_context().gcs_address))
+actors.stop_ray()
+"""
+
+
+@pytest.mark.timeout(900)
+def test_start_ray_starts_its_own_instance_beside_a_recorded_cluster(local_ray):
+    """`ray.init()` without an address joins the cluster that `RAY_ADDRESS` or Ray's
+    `ray_current_cluster` file names (`ray.cluster_utils`, which tests/ray_train_job.py uses, and
+    `ray start` write it): the D4PG notebook's kernel, in a suite run, joined a Ray Train test's
+    cluster that way, whose end then destroyed the notebook's actors ("cancelled before it started
+    running"). `start_ray` starts its own, here beside this module's Ray named in that file."""
+    module_gcs = local_ray.get_runtime_context().gcs_address
+    temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")  # short: Ray's socket paths are under it
+    try:
+        os.makedirs(os.path.join(temp, "ray"))
+        with open(os.path.join(temp, "ray", "ray_current_cluster"), "w") as f:
+            f.write(module_gcs)
+        owner = f"{os.getpid()}-{time.monotonic_ns()}"
+        env = dict(os.environ, RAY_TMPDIR=temp, **{RAY_OWNER_ENV: owner})
+        result = subprocess.run([sys.executable, "-c", _START_RAY], env=env, capture_output=True,
+                                text=True, timeout=600)  # a limit for a hang: it imports TensorFlow
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        started = json.loads(result.stdout.split("started ")[-1].splitlines()[0])
+        assert started != module_gcs and started.startswith("127.0.0.1:"), (started, module_gcs)
+        assert not wait_for_no_ray_servers(owner)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_training_rejects_bad_input_before_work(tmp_path):

@@ -1,19 +1,22 @@
-"""No stall when a distributed iterator is replaced (the tf.data autotuning thread joined at every epoch).
+"""No stall when a distributed iterator is replaced: its pipelines start no tf.data autotuning thread.
 
 Keras makes a new iterator over the distributed dataset every epoch (every `fit`
-call) and drops the previous one. Under TensorFlow's defaults, dropping it joins
-one tf.data autotuning thread per replica, and a join could wait for the rest
-of that thread's autotuning period, which doubles with the iterator's age
-(0.3-20 s; docs/design.md, "The stall at every epoch"). Each test lets its
-iterators live `_LIFETIME` seconds, so that a stall, when it happens, costs up
-to about that long, while dropping an iterator otherwise takes milliseconds
-(10-20 ms measured with the machine's load average at 10-13, 5-8 ms on a quiet
-machine, but 0.3-0.7 s in a suite run niced to 10 under a load average of 12).
-A stall shows in one of two ways: on a loaded machine most drops stall (unfixed,
-lifetime 1.5 s: 0.9-3.6 s), on a quiet one a drop now and then (unfixed, quiet:
-one drop in six took 0.52-0.55 s, the others 6-8 ms). So a test fails if more
-than one drop takes over half of `_LIFETIME`, or if the slowest takes over 0.25 s
-and 20 times the median drop; neither happened with the fix, loaded or quiet.
+call) and drops the previous one. Under TensorFlow's defaults every tf.data
+iterator of the distributed iterator (one per replica's device, and the host
+pipeline's) starts an autotuning thread, and dropping the iterator joins each of
+them; a join could wait for the rest of that thread's autotuning period, which
+doubles with the iterator's age (0.3-20 s; docs/design.md, "The stall at every
+epoch"). Without the thread there is no join, so no stall, whatever the machine's
+load.
+
+So each test records the options of every dataset that TensorFlow makes a tf.data
+iterator of (`Dataset._apply_debug_options`, which `OwnedIterator` and the
+multi-device iterator call on the dataset they iterate) while the distributed
+iterator is made, and asserts that each has autotuning off. This is the cause, read
+where TensorFlow decides it, and not a wall-clock time: an earlier version timed the
+drops (a stall: over half the iterator's 2 s lifetime, or 20 times the median drop)
+and failed under load without any stall (one drop took 20 times the median at a
+load average of 20); the times are still measured and printed, not asserted.
 
 Over CPU replicas, ReplicatorStrategy reads through one host iterator made without
 autotuning (`_compat/host_iterator.py`); elsewhere (GPUs, non-default input options)
@@ -37,10 +40,6 @@ from keras_replicator._compat import host_iterator, multi_device_iterator
 
 pytestmark = pytest.mark.devices(4)
 
-_LIFETIME = 2.0  # seconds each iterator lives before it is dropped
-_ROUNDS = 8
-
-
 _FIXED = os.environ.get("KR_TEST_STALL_UNFIXED") != "1"
 
 
@@ -58,22 +57,29 @@ def _dataset(n: int = 256) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y))
 
 
-def _drop_times(distributed) -> list[float]:
-    """Seconds taken to drop each of `_ROUNDS` iterators, each used once and kept `_LIFETIME` s."""
-    times = []
-    for _ in range(_ROUNDS):
+def _iterated_autotune(distributed, monkeypatch) -> list:
+    """`autotune.enabled` of every dataset TensorFlow makes a tf.data iterator of in `iter(distributed)`
+    (None: TensorFlow's default, on); the first batch is read, so the pipelines have started."""
+    seen = []
+    original = tf.data.Dataset._apply_debug_options
+
+    def spy(dataset):
+        seen.append(dataset.options().autotune.enabled)
+        return original(dataset)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tf.data.Dataset, "_apply_debug_options", spy)
         iterator = iter(distributed)
-        next(iterator)
-        time.sleep(_LIFETIME)
-        start = time.perf_counter()
-        del iterator  # the last reference: TensorFlow destroys the iterator here
-        times.append(time.perf_counter() - start)
-    return times
+    next(iterator)
+    start = time.perf_counter()
+    del iterator  # the last reference: TensorFlow destroys the iterator here
+    print(f"dropping the iterator took {time.perf_counter() - start:.3f} s (not asserted: load-dependent)")
+    return seen
 
 
 @pytest.mark.parametrize(("entry", "iterator"), [("experimental_distribute_dataset", "host"),
                                                   ("distribute_dataset", "per_device")])
-def test_dropping_an_iterator_does_not_stall(entry, iterator):
+def test_no_iterator_of_a_distributed_iterator_autotunes(entry, iterator, monkeypatch):
     strategy = kr.ReplicatorStrategy()
     assert strategy.num_replicas_in_sync == 4
     host_iterator.enabled = _FIXED and iterator == "host"
@@ -82,11 +88,17 @@ def test_dropping_an_iterator_does_not_stall(entry, iterator):
     else:
         distributed = strategy.distribute_dataset(_dataset().repeat(), global_batch_size=32)
     assert host_iterator.reads_through_host(distributed) == host_iterator.enabled
-    times = _drop_times(distributed)
-    shown = f"dropping an iterator took {[round(t, 3) for t in times]} s"
-    # Loaded machine: stalls in most drops; one slow drop is tolerated (the machine is shared).
-    assert sum(t > 0.5 * _LIFETIME for t in times) <= 1, shown
-    # Quiet machine: a rare stall stands out against drops of a few milliseconds.
-    slowest, median = max(times), float(np.median(times))
-    assert not (slowest > 0.25 and slowest > 20 * median), shown
+    autotune = _iterated_autotune(distributed, monkeypatch)
+    # One host iterator; or the multi-device iterator's host buffer and one per replica's device.
+    assert len(autotune) == (1 if host_iterator.enabled else 1 + 4), autotune
+    assert autotune == [False] * len(autotune), autotune
 
+
+def test_a_dataset_that_asks_for_autotuning_keeps_it(monkeypatch):
+    """The fix turns off only TensorFlow's default: a dataset whose options set autotuning keeps it
+    on its host pipeline (and the check above sees an autotuned iterator when there is one)."""
+    strategy = kr.ReplicatorStrategy()
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    distributed = strategy.experimental_distribute_dataset(_dataset().batch(32).repeat().with_options(options))
+    assert _iterated_autotune(distributed, monkeypatch) == [True]

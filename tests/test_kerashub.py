@@ -210,12 +210,15 @@ def test_masked_lm_fed_from_a_generator_counts_its_steps_as_one_device(bert_toke
     losses = replicated.fit(dataset(), **fit_args).history["loss"]
     steps = 3 * len(range(0, len(y), batch))
     assert int(reference.optimizer.iterations.numpy()) == steps + 3  # what is reproduced
-    # The known gap (tests/test_equivalence_matrix.py RACY_TRACE_ONCE; issue 39 stays open):
-    # traced once, the cut-short last step of each epoch counts nothing. Its replicas stay
-    # identical; AdamW reads the count, so the weights are not compared with one device's.
-    assert int(replicated.optimizer.iterations.numpy()) == steps
+    assert int(replicated.optimizer.iterations.numpy()) == steps + 3
     kr.testing.assert_replicas_identical(replicated)
-    assert losses[-1] < losses[0]
+    gap = kr.testing.max_weight_difference(replicated, reference)
+    print(f"BERT masked LM from a generator, traced once: weights against one device {gap:.2e}")
+    # The file's tolerance, not 1e-6: the step traced once sums gradients in TensorFlow's ring,
+    # in another order than one device, and AdamW's normalised steps carry that over 3 epochs.
+    # Measured on 4 draws of the random masks: 1.5e-7 to 1.2e-6 (1.5e-7 for the same batches
+    # fed with a known length in the same process); 1.9e-4 without the exhausted step's effects.
+    assert gap <= TOLERANCE
     assert losses[-1] < losses[0]
 
 

@@ -221,20 +221,27 @@ def test_guide_example():
 
 def test_optimizer_state_saved_whole_and_training_continues_on_one_device(tmp_path):
     """AdamW's slots of split variables go to the file whole: model.save on the mesh, load_model on
-    one device, one more epoch there ends at the uninterrupted run's weights."""
+    one device (and a tf.train.Checkpoint restored into a one-device model before its optimizer
+    exists), one more epoch there ends at the uninterrupted run's weights and AdamW's state."""
     strategy = kr.ReplicatorStrategy(layout_map=fsdp_layout(mesh(4, 1)))
     model, ref, _, _ = train(strategy, "adamw", epochs=1)
-    path = str(tmp_path / "m.keras")
+    path, checkpoint = str(tmp_path / "m.keras"), str(tmp_path / "tf" / "ckpt")
     model.save(path)
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(checkpoint)
     loaded = keras.saving.load_model(path, custom_objects={"Counted": Counted})
     got, want = loaded.optimizer.variables, ref.optimizer.variables
     assert [tuple(v.shape) for v in got] == [tuple(v.shape) for v in want]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5, rtol=1e-5)
+    restored = compiled(mlp(), "adamw")
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(checkpoint)
     x, y = data()
-    for m in (loaded, ref):
+    for m in (loaded, restored, ref):
         m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(loaded, ref)
+    for m in (loaded, restored):
+        assert_weights_close(m, ref)
+        for g, w in zip(m.optimizer.variables, ref.optimizer.variables):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("strategy_kwargs,optimizer,match", [

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._compat import keras_layouts
+from keras_replicator.model_parallel import parallel_layers
 from keras_replicator.model_parallel.memory import training_bytes_per_device
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 from keras_replicator.model_parallel.sharding import ModelSharding
@@ -113,6 +114,21 @@ def assert_weights_close(model, ref, atol=1e-5):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
 
 
+def spy_pairs(monkeypatch) -> list:
+    """Each row-parallel layer's input taken as its column-parallel layer's parts (no gather)."""
+    pairs = []
+    column_parts = parallel_layers.column_parts
+
+    def spy(*args):
+        parts = column_parts(*args)
+        if parts is not None:
+            pairs.append(len(parts))
+        return parts
+
+    monkeypatch.setattr(parallel_layers, "column_parts", spy)
+    return pairs
+
+
 def spy_attention_by_heads(monkeypatch) -> list:
     calls = []
     by_heads = keras_layouts._attention_by_heads
@@ -121,15 +137,20 @@ def spy_attention_by_heads(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("shape,kind,optimizer", [
+    pytest.param((1, 4), "mlp", "sgd", id="1x4-mlp-sgd"),
     pytest.param((1, 4), "mlp", "adamw", id="1x4-mlp-adamw"),
     pytest.param((2, 2), "mlp", "sgd", id="2x2-mlp-sgd"),
     pytest.param((2, 2), "mlp", "adamw", id="2x2-mlp-adamw"),
     pytest.param((1, 4), "transformer", "sgd", id="1x4-transformer-sgd"),
+    pytest.param((1, 4), "transformer", "adamw", id="1x4-transformer-adamw"),
+    pytest.param((2, 2), "transformer", "sgd", id="2x2-transformer-sgd"),
     pytest.param((2, 2), "transformer", "adamw", id="2x2-transformer-adamw")])
 def test_layout_map_strategy_trains_as_one_device(shape, kind, optimizer, monkeypatch):
     """ReplicatorStrategy(layout_map=...): M x k from the mesh, steps_per_execution=3, weights as
-    one device's after 6 steps; bytes per device from where each shard lives."""
+    one device's after 6 steps (the FFN's column -> row pair on its parts, Megatron's pairing);
+    bytes per device from where each shard lives."""
     calls = spy_attention_by_heads(monkeypatch)
+    pairs = spy_pairs(monkeypatch)
     strategy = kr.ReplicatorStrategy(layout_map=(mlp_layout if kind == "mlp" else transformer_layout)(mesh(*shape)))
     assert (strategy.num_replicas_in_sync, strategy.devices_per_replica) == shape
     keras.utils.set_random_seed(1)
@@ -142,11 +163,13 @@ def test_layout_map_strategy_trains_as_one_device(shape, kind, optimizer, monkey
         m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
     assert calls or kind == "mlp"                       # attention ran by heads
+    assert pairs and set(pairs) == {shape[1]}           # the pair ran on its k parts
     assert_bytes_per_device(model, *shape, slots=0 if optimizer == "sgd" else 2)
 
 
-def test_layouts_with_shard_optimizer_state():
-    """(2, 2) with ZeRO-1: each shard's slots on one replica only, weights as one device's."""
+def test_layouts_with_shard_optimizer_state(tmp_path):
+    """(2, 2) with ZeRO-1: each shard's slots on one replica only, weights as one device's;
+    `save_weights` writes AdamW's state whole: one device loads it equal to its own."""
     strategy = kr.ReplicatorStrategy(layout_map=mlp_layout(mesh(2, 2)), shard_optimizer_state=True)
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -159,6 +182,15 @@ def test_layouts_with_shard_optimizer_state():
     slots = 2 * sum(np.prod(v.shape) * 4 for v in model.trainable_weights)   # AdamW's m and v, once
     counters = 12 * 2                                                        # per replica
     assert sum(training_bytes_per_device(model)["optimizer"].values()) == slots + counters
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    one = compiled(reference("mlp"), "mlp", "adamw")
+    one.optimizer.build(one.trainable_variables)
+    one.load_weights(str(tmp_path / "m.weights.h5"))
+    assert_weights_close(one, ref)
+    got, want = one.optimizer.variables, ref.optimizer.variables
+    assert [tuple(v.shape) for v in got] == [tuple(v.shape) for v in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5, rtol=1e-5)
 
 
 def test_one_replica_over_four_devices_without_a_strategy():

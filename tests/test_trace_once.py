@@ -194,11 +194,7 @@ def test_the_switch_is_checked_and_goes_back_to_per_replica_tracing():
 
 
 def _replica_function_and_calls(concrete):
-    """The traced replica function's nodes and the ops that call it, in a step's graph.
-
-    A step with side effects that need no input is called as two functions
-    (`replica_step_split`): the nodes of both.
-    """
+    """The traced replica function's nodes and the ops that call it, in a step's graph."""
     graph_def = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
     calls = [node for f in [*library.values(), graph_def] for node in getattr(f, "node_def", None) or f.node

@@ -28,12 +28,13 @@ installed version is outside the range a module was checked on.
 | `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
 | `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
 | `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
-| `replica_step_split` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util` | copies the one trace into two functions per replica call: the side effects that need no input (run although an exhausted iterator fails the step, as an inlined call's do), then the rest | TF 2.21 |
+| `exhausted_step` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util`; `TensorFlowTrainer.make_train_function` | installed patch, ours only, `steps_per_execution=1`: the train function's step traced once records its input-free side effects (a copy of those ops per replica), which run when a call finds the iterator exhausted, as one device's inlined step runs them | Keras 3.15, TF 2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
-| `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); a layer's `_flatten_layers`, `_seed_generators` | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); the recomputation replays the forward's seed-generator states | Keras 3.15, TF 2.21 |
+| `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); `AutocastScope`, `get_autocast_scope` (a variable's stored value; the forward's autocast for the recomputation) | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); a built layer's variables read once before the forward, forward and recomputation under `keras.StatelessScope` with those values, the forward's assignments applied once, the recomputation under the forward's autocast (a read again in the gradient could follow the optimizer's update: Grappler's dependency optimizer drops its ordering edge) | Keras 3.15, TF 2.21 |
 | `keras_distribution` | `keras.distribution.set_distribution` (where Keras defines and binds it); `ModelParallel._layout_map` | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` or `ModelParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices or its layouts, what cannot run is an error (`keras_replicator.keras_distribution`) | Keras 3.15 |
 | `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run; `TFOptimizer.add_variable_from_reference` (a shard's slots under its placement); `Trainer.compile`, `TensorFlowTrainer._maybe_symbolic_build` (the unmatched-rule check) | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
-| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients`; `save_own_variables`, `load_own_variables` (the optimizer's `_variables`) | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again; their slots saved and loaded whole | Keras 3.15 |
+| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.15 |
+| `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.15, TF 2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -89,13 +90,14 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "parameter_server": ("keras", "3.15", "3.15"),
     "keras_layouts": ("keras", "3.15", "3.15"),
     "keras_fsdp": ("keras", "3.15", "3.15"),
+    "sharded_checkpoints": ("tensorflow", "2.21", "2.21"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
     "keras_remat": ("keras", "3.15", "3.15"),
     "keras_distribution": ("keras", "3.15", "3.15"),
     "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
-    "replica_step_split": ("tensorflow", "2.21", "2.21"),
+    "exhausted_step": ("keras", "3.15", "3.15"),
 }
 
 
@@ -136,6 +138,7 @@ def installed_patches() -> list:
 @functools.cache
 def _permanent():
     from keras_replicator._compat import (
+        exhausted_step,
         host_iterator,
         keras_checkpointing,
         keras_fsdp,
@@ -146,6 +149,7 @@ def _permanent():
         keras_xla,
         multi_device_iterator,
         patching,
+        sharded_checkpoints,
         tape_gradient_device,
     )
 
@@ -167,6 +171,10 @@ def _permanent():
         *keras_layouts.PATCHES,
         # FSDP: gradients already reduce-scattered by all_gather's gradient are not summed again.
         *keras_fsdp.PATCHES,
+        # The step traced once: what one device's step does on an exhausted iterator.
+        *exhausted_step.PATCHES,
+        # Sharded variables and their slots checkpointed whole (Keras files, tf.train.Checkpoint).
+        *sharded_checkpoints.PATCHES,
     ])
 
 

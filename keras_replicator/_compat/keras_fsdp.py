@@ -8,10 +8,7 @@ reduce-scatter), so it is passed through; the other variables' gradients are
 all-reduced by Keras's own method, as before. An optimizer whose instance
 overrides the method (`CrossReplicaOptimizer`'s inner one) is not affected.
 
-`TFOptimizer.save_own_variables` / `load_own_variables` (Keras's `BaseOptimizer`,
-by position over `_variables`), installed: while they run, a slot whose copies
-hold slices (marked by `fsdp.mark_like` when it is made) is listed as
-`fsdp.WholeCopies`, so the file holds the whole slot, as one device's optimizer has it.
+Their slots are saved and loaded whole by `_compat/sharded_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -36,23 +33,6 @@ def _skip_replica_slices(original):
     return _all_reduce_sum_gradients
 
 
-def _whole_slots(original):
-    def method(self, store):
-        # While Keras saves or loads the optimizer by position, a slot split over the
-        # replicas is seen whole: the file keeps the unsharded format.
-        before = self._variables
-        self._variables = [v if fsdp.replica_axis(v) is None else fsdp.WholeCopies(v, fsdp.replica_axis(v))
-                           for v in before]
-        try:
-            return original(self, store)
-        finally:
-            self._variables = before
-
-    return method
-
-
 PATCHES = (
     ScopedPatch(TFOptimizer, "_all_reduce_sum_gradients", _skip_replica_slices),
-    ScopedPatch(TFOptimizer, "save_own_variables", _whole_slots),
-    ScopedPatch(TFOptimizer, "load_own_variables", _whole_slots),
 )

@@ -28,10 +28,8 @@ Patches (checked on Keras 3.15):
 Each acts only on layers holding a `ShardedVariable`, which only a keras_replicator
 strategy's layouts (or `ModelSharding.scope()`) make.
 
-Not covered: the optimizer's own variables are saved per shard (Keras saves them
-by position: a sharded model's optimizer state does not load into an unsharded
-model's optimizer, which Keras then skips with a warning); `tf.train.Checkpoint`
-of a model saves the shard variables.
+The optimizer's slots of shards, and `tf.train.Checkpoint`, are saved whole too:
+`_compat/sharded_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -47,9 +45,10 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers import Layer as _Layer
 from keras.src.trainers.trainer import Trainer
 
+from keras_replicator._compat import sharded_checkpoints
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import fsdp, parallel_layers, sharding
+from keras_replicator.model_parallel import fsdp, parallel_layers, sharding, whole_state
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
 _POSITIONAL = ("shape", "initializer", "dtype")
@@ -247,6 +246,7 @@ def _slot_beside_shard(original):
         with placement.variables(j):
             slot = original(self, reference_variable, *args, **kwargs)
         fsdp.mark_like(slot, reference_variable)  # a slot of a variable split over the replicas is too
+        whole_state.record_slot(slot, reference_variable)  # saved whole with its shards' others
         return slot
 
     return add_variable_from_reference
@@ -273,6 +273,8 @@ def _check_after_build(original):
     def _maybe_symbolic_build(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         _check_rules(self, "the first fit, evaluate or predict (once Keras built the model)")
+        # The optimizer is built now: a tf.train.Checkpoint's values waiting for its slots.
+        sharded_checkpoints.restore_waiting(getattr(self, "optimizer", None))
         return result
 
     return _maybe_symbolic_build

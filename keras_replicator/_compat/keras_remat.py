@@ -21,24 +21,48 @@ under a tape). The call's floating-point tensors, wherever they are in the
 positional or keyword arguments, become the recomputed function's positional
 arguments, so their gradients flow (a keyword `value=` of an attention layer
 included); everything else (flags, `None`, integer and boolean masks) is bound
-in a closure, as the call received it. Variables read by `f` get their
-gradients through `tf.custom_gradient`'s variable tracking, as before.
+in a closure, as the call received it. Variables that `f` reads itself (a
+plain function's) get their gradients through `tf.custom_gradient`'s variable
+tracking.
 
-Random layers inside a recomputed layer (`Dropout`, `GaussianNoise`, ...): a
-plain recomputation would draw the next seeds of their `SeedGenerator`s (Keras
-advances a generator's state at each draw), so the gradient would be that of
-another mask than the forward's (measured: a Dense + Dropout(0.5) MLP's weights
-0.27 away from the run without remat after 8 steps). The replacement reads the
-states of the seed generators of the layer and its sublayers
-(`Layer._flatten_layers`, `Layer._seed_generators`) before the forward; the
-recomputation sets them back to those values, recomputes (the same seeds, so the
-same masks) and then puts back the states it found, so the draws after it are
-those of a run without remat. A function given to `keras.remat` directly (not a
-layer's `call`) has no known generators: its random draws are not replayed.
+The layer's state is read once, before the forward, and both runs see those
+values: a layer's variables (its own and its sublayers', the states of their
+seed generators included: `Layer.variables`) are read, and the forward and the
+recomputation run under `keras.StatelessScope` mapping each variable to its value
+read then. The trainable ones' values are positional arguments of the
+recomputed function too, so their gradients reach the variables through those
+reads, as without remat (where the backward pass uses the forward's reads).
+The forward's assignments (a seed generator's next state,
+`BatchNormalization`'s moving statistics) and `add_loss` losses are applied once,
+after it; the recomputation's are discarded, so it draws the forward's dropout masks again
+and updates nothing twice. The recomputation runs under the layer's autocast
+scope of the forward (mixed precision: the tape runs it after the layer's call
+has returned, where float32 variables would otherwise be read as float32).
 
-Not bitwise reproducible under Grappler's dependency optimizer: 8 of 267 runs
-of a small MLP ended up to 2.8e-3 away from the others (0 of 71 without remat,
-0 of 140 with that optimizer off); cause not found (docs/keras_distribution.md).
+Why not let `tf.recompute_grad` read the variables again in the gradient: that
+read can come after the optimizer's update of the same variable. TensorFlow's
+automatic control dependencies order it with a control edge (read before
+update), and Grappler's dependency optimizer removes that edge with TensorFlow's
+default settings: its transitive reduction finds another path from the read to
+the update, through `IdentityN` nodes (the custom gradients' and the optimizer's;
+the path enters an `IdentityN` at one input and leaves at another output), then
+it bypasses those `IdentityN` nodes (each consumer wired to its own input), which
+cuts that path. Left unordered is, for example, the last `Dense`'s kernel read
+for the gradient of its input (`dy @ kernel^T`), so when the update runs first the
+layers below it get the gradient of the updated kernel (found by running Grappler
+on the traced step: `tests/test_remat.py`; measured, the same seeded fit: 10 of
+200 remat runs up to 4.0e-3 away from the run without remat before, 0 of 400
+after: docs/keras_distribution.md). With the reads made once before the
+forward, each read feeds the forward's output, hence the loss
+and the variable's own gradient: a data path to its update, as without remat.
+
+A function given to `keras.remat` directly (not a layer or a layer's method)
+has no known variables: `tf.recompute_grad` reads whatever it reads again in the
+gradient, and its random draws are not replayed. Layers not yet built run as
+such a function (their variables are made by the call), and so do all calls in a
+strategy's cross-replica context (Keras's symbolic build: nothing is
+differentiated there, and an FSDP shard's copies differ). A trainable variable
+of the layer that its call does not read gets a zero gradient instead of none.
 """
 
 from __future__ import annotations
@@ -49,6 +73,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src.backend.tensorflow import core as tf_backend_core
 
 from keras_replicator._compat.patching import ScopedPatch
@@ -58,50 +83,84 @@ def _differentiable(value: Any) -> bool:
     return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
 
-def _seed_generators(f: Callable[..., Any]) -> list:
-    """The seed generators of the layer whose method `f` is, and of its sublayers."""
-    owner = getattr(f, "__self__", None)
-    if not isinstance(owner, keras.layers.Layer):
-        return []
-    return [g for layer in owner._flatten_layers() for g in layer._seed_generators]
+def _built_layer(f: Callable[..., Any]) -> keras.layers.Layer | None:
+    """The built layer that `f` is, or whose method `f` is, when its state can be read per replica.
+
+    In a strategy's cross-replica context (Keras's symbolic build of a model) a variable has no
+    one value (an FSDP shard's copies differ; they are read by their components there), and
+    nothing is differentiated: the call runs as a plain function's.
+    """
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        return None
+    owner = f if isinstance(f, keras.layers.Layer) else getattr(f, "__self__", None)
+    return owner if isinstance(owner, keras.layers.Layer) and owner.built else None
 
 
-def _states(generators: list) -> list[tf.Tensor]:
-    return [g.state.value * 1 for g in generators]  # `* 1`: a read now, as Keras's `next`
+def _read(variable: keras.Variable) -> tf.Tensor:
+    """The variable's value now, as stored (the scope's reads autocast it, as a variable's do)."""
+    with keras_backend.AutocastScope(None):
+        return tf.convert_to_tensor(variable.value)
 
 
-def _set_states(generators: list, states: list[tf.Tensor]) -> None:
-    for generator, state in zip(generators, states):
-        generator.state.assign(state)
+def _calling(f: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
+    """`f` of the call's float tensors, given positionally; the rest of the call as it came."""
+    flat = tf.nest.flatten((args, kwargs))
+
+    def call(*tensors: tf.Tensor) -> Any:
+        replacements = iter(tensors)
+        rebuilt = [next(replacements) if _differentiable(v) else v for v in flat]
+        new_args, new_kwargs = tf.nest.pack_sequence_as((args, kwargs), rebuilt)
+        return f(*new_args, **new_kwargs)
+
+    return call
+
+
+def _recompute_with_state_read_once(layer: keras.layers.Layer, call: Callable[..., Any],
+                                    tensors: list[tf.Tensor]) -> Any:
+    """`tf.recompute_grad(call)(*tensors)`, the layer's variables read once, before the forward."""
+    variables = layer.variables
+    values = [_read(v) for v in variables]
+    # Positional, so their gradients reach the variables through these reads.
+    differentiated = [i for i, v in enumerate(variables) if v.trainable and _differentiable(values[i])]
+    forward: list = []  # the forward's StatelessScope and its mapping before the call
+    # The layer's autocast (mixed precision), which the recomputation, run by the tape's
+    # gradient after the layer's call has returned, would otherwise lose.
+    autocast = keras_backend.get_autocast_scope()
+
+    def stateless(*inputs: tf.Tensor) -> Any:
+        state = list(values)
+        for i, value in zip(differentiated, inputs[len(tensors):]):
+            state[i] = value
+        with keras.StatelessScope(list(zip(variables, state)), collect_losses=not forward,
+                                  initialize_variables=False) as scope, \
+                keras_backend.AutocastScope(autocast.dtype if autocast else None):
+            before = dict(scope.state_mapping)
+            outputs = call(*inputs[:len(tensors)])
+        forward.append((scope, before))
+        return outputs
+
+    outputs = tf.recompute_grad(stateless)(*tensors, *[values[i] for i in differentiated])
+    # The forward's assignments and losses, once (the recomputation's are dropped).
+    scope, before = forward[0]
+    for variable in variables:
+        if scope.state_mapping[id(variable)] is not before[id(variable)]:
+            variable.assign(scope.state_mapping[id(variable)])
+    for loss in scope.losses:
+        layer.add_loss(loss)
+    return outputs
 
 
 def remat(f: Callable[..., Any]) -> Callable[..., Any]:
-    """`tf.recompute_grad(f)` that takes keyword arguments in graph mode as well."""
+    """`tf.recompute_grad(f)` that takes keyword arguments in graph mode, a layer's state read once."""
 
     @functools.wraps(f)
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
-        flat = tf.nest.flatten((args, kwargs))
-        tensors = [value for value in flat if _differentiable(value)]
-        generators = _seed_generators(f)
-        before = _states(generators)
-        forward_done = []
-
-        def call(*new_tensors: tf.Tensor) -> Any:
-            replacements = iter(new_tensors)
-            rebuilt = [next(replacements) if _differentiable(v) else v for v in flat]
-            new_args, new_kwargs = tf.nest.pack_sequence_as((args, kwargs), rebuilt)
-            if not forward_done or not generators:
-                forward_done.append(True)
-                return f(*new_args, **new_kwargs)
-            # The recomputation: the forward's seeds again, then the states as they are now.
-            now = _states(generators)
-            _set_states(generators, before)
-            outputs = f(*new_args, **new_kwargs)
-            with tf.control_dependencies([o for o in tf.nest.flatten(outputs) if tf.is_tensor(o)]):
-                _set_states(generators, now)
-            return outputs
-
-        return tf.recompute_grad(call)(*tensors)
+        tensors = [value for value in tf.nest.flatten((args, kwargs)) if _differentiable(value)]
+        call = _calling(f, args, kwargs)
+        layer = _built_layer(f)
+        if layer is None:
+            return tf.recompute_grad(call)(*tensors)
+        return _recompute_with_state_read_once(layer, call, tensors)
 
     return rematerialized
 

@@ -229,7 +229,7 @@ def _sharded_update(self, grads, variables, learning_rate):
         if grad is not None and self.weight_decay is not None and self._use_weight_decay(var):
             # Every replica decays its own copy (the owner's value replaces the others'), as
             # unsharded: it needs no data, so it also runs alone in the last step of an epoch
-            # of unknown length, as on one device (`replica_step_split`).
+            # of unknown length, as on one device (`exhausted_step`).
             lr = tf.cast(self.learning_rate, copy.dtype)
             copy.assign_sub(copy * tf.cast(self.weight_decay, copy.dtype) * lr)
         if owner == me and grad is not None:

@@ -34,9 +34,9 @@ What it patches or reads, checked on TensorFlow 2.21:
 * `context.function_call_options` (set while the calls are made): the calls'
   Grappler settings, see `_replica_call_options`.
 
-A trace whose side effects include some that need no input is called as two
-functions per replica (`replica_step_split`), so that those run even when the
-inputs never come, as in the inlined step of one device.
+A trace whose side effects include some that need no input records them
+(`exhausted_step`): when Keras's train function finds the iterator exhausted,
+they run, as in the inlined step of one device.
 
 What cannot be traced once falls back to TensorFlow's per-replica tracing,
 logged once with the reason: a `merge_call` this module does not replace,
@@ -65,7 +65,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import collective_launcher, replica_invariance, replica_step_split
+from keras_replicator._compat import collective_launcher, exhausted_step, replica_invariance
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.model_parallel import fsdp
 
@@ -431,17 +431,17 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     structure, leaves, layout, tensors = _split_inputs(args, kwargs, n)
     swaps = _launcher_swaps(launchers)
     call_for: list = [None] * n  # each replica's call of its trace: (inputs, captures) -> outputs
+    replica_ids = [extended._get_replica_id_in_sync_group(d) for d in range(n)]
     for signature, members in _shape_groups(tensors).items():
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in signature]
         traced = trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers)
         captures = _per_replica_captures(list(traced.captured_inputs), n, registry, swaps)
         _refuse_shared_writes(traced, captures)
-        # What needs no input runs without it, as in an inlined call (`replica_step_split`).
-        split = replica_step_split.ENABLED and replica_step_split.split_step(
-            traced, lambda capture: id(capture) in swaps or registry.on_read(capture))
+        # What needs no input, run when the iterator is found exhausted (`exhausted_step`).
+        exhausted_step.record(traced, [(devices[d], replica_ids[d], captures[d]) for d in members],
+                              lambda capture: id(capture) in swaps or registry.on_read(capture))
         for d in members:
-            call_for[d] = functools.partial(split.call if split else _call_whole(traced), captures=captures[d])
-    replica_ids = [extended._get_replica_id_in_sync_group(d) for d in range(n)]
+            call_for[d] = functools.partial(_call_whole(traced), captures=captures[d])
 
     def every_replica():
         graph = ops.get_default_graph()

@@ -40,7 +40,7 @@ import tensorflow as tf
 from keras_replicator.errors import LayoutError
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
-__all__ = ["ReplicaShardedVariable", "WholeCopies", "check_optimizer", "copies", "data_dim", "mark_like",
+__all__ = ["ReplicaShardedVariable", "check_optimizer", "copies", "data_dim", "mark_like",
            "mark_replica_slices", "replica_axis", "replica_slices"]
 
 # id(TensorFlow variable) -> (weak reference to it, the dimension its replica copies split).
@@ -85,23 +85,6 @@ def replica_axis(variable) -> int | None:
     tf_variable = _tf_variable(variable)
     entry = _split.get(id(tf_variable))
     return entry[1] if entry is not None and entry[0]() is tf_variable else None
-
-
-class WholeCopies:
-    """An optimizer variable split over the replicas, seen whole (Keras's optimizer saving).
-
-    `numpy()` puts the copies together along the split dimension; `assign(whole)`
-    gives copy i its slice.
-    """
-
-    def __init__(self, variable, axis: int):
-        self.variable, self.axis = variable, axis
-
-    def numpy(self) -> np.ndarray:
-        return np.concatenate([np.asarray(c.numpy()) for c in copies(self.variable)], axis=self.axis)
-
-    def assign(self, value) -> None:
-        assign_replica_slices(self.variable, value, self.axis)
 
 
 def check_optimizer(model) -> None:

@@ -41,7 +41,7 @@ from keras_replicator.model_parallel.layout import (
 from keras_replicator.model_parallel.logical_device import logical_device
 from keras_replicator.model_parallel.sharded_variable import DevicePlacement, ShardedVariable
 
-__all__ = ["ModelSharding", "StrategyPlacement", "current", "sharded_variables"]
+__all__ = ["ModelSharding", "StrategyPlacement", "current", "owner", "sharded_variables"]
 
 # Regularizers whose penalty on the whole tensor is the sum of their penalties on
 # its slices: applying them per shard is exact.
@@ -53,6 +53,8 @@ _stack_lock = threading.Lock()
 created_any = threading.Event()
 # id(shard) -> (weak reference to it, its placement, its logical device).
 _homes: dict[int, tuple] = {}
+# id(shard) -> (weak reference to it, weak reference to the whole variable, j).
+_owners: dict[int, tuple] = {}
 
 
 def shard_home(variable) -> tuple[Any, int] | None:
@@ -61,6 +63,15 @@ def shard_home(variable) -> tuple[Any, int] | None:
     if home is None or home[0]() is not variable:
         return None
     return home[1], home[2]
+
+
+def owner(variable) -> tuple[ShardedVariable, int] | None:
+    """`(whole, j)` when `variable` is shard j of the `ShardedVariable` `whole`, else `None`."""
+    entry = _owners.get(id(variable))
+    if entry is None or entry[0]() is not variable:
+        return None
+    whole = entry[1]()
+    return None if whole is None else (whole, entry[2])
 
 
 def current() -> ModelSharding | None:
@@ -169,6 +180,8 @@ class ModelSharding:
             variable = ShardedVariable(shards, layout.model_dim, path, self.placement)
         else:
             variable = ReplicaShardedVariable(shards, layout.model_dim, replica_dim, path, self.placement)
+        for j, shard in enumerate(shards):
+            _owners[id(shard)] = (weakref.ref(shard), weakref.ref(variable), j)
         layer.__dict__.setdefault("_kr_sharded_variables", []).append(variable)
         created_any.set()
         return variable

@@ -100,7 +100,11 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
 
     For a local instance, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set before Ray starts, so
     that Ray 2.60 registers the node on 127.0.0.1 instead of the machine's network address
-    and every socket stays on the loopback. Returns the Ray module.
+    and every socket stays on the loopback. The instance is always a new one of this process:
+    `ray.init()` without an address would join whatever cluster `RAY_ADDRESS` or
+    `/tmp/ray/ray_current_cluster` names (`ray start` and `ray.cluster_utils` write that file),
+    another program's on a shared machine, which stops when that program does. Returns the Ray
+    module.
 
     Example:
         ```python
@@ -117,7 +121,8 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if address is None:
         # Ray's workers inherit this process's environment, including the loopback setting.
-        ray.init(num_cpus=num_cpus, runtime_env={"env_vars": dict(LOOPBACK_ENV)}, **kwargs)
+        # address="local": a new instance, never another program's cluster found on the machine.
+        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": dict(LOOPBACK_ENV)}, **kwargs)
         ip = ray.util.get_node_ip_address()
         if ip != "127.0.0.1":
             ray.shutdown()
