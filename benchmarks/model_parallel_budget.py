@@ -165,8 +165,18 @@ def largest(small: dict, large: dict, budget: float = GIB) -> dict:
     fixed = per_device(small) - bytes_per_layer * small["layers"]
     layers = int((budget - fixed) // bytes_per_layer) if bytes_per_layer > 0 else None
     params = None if layers is None else int(small["params"] + params_per_layer * (layers - small["layers"]))
+    state_per_layer = (max(large["at_rest"]) - max(small["at_rest"])) / dl
     return {"bytes_per_layer": bytes_per_layer, "fixed": fixed, "layers": layers, "params": params,
-            "bytes_per_param": bytes_per_layer / params_per_layer}
+            "bytes_per_param": bytes_per_layer / params_per_layer, "state_per_layer": state_per_layer}
+
+
+def check_run(runs: dict, lever: str, layers: int, steps: int) -> dict:
+    """``lever`` at a third depth: its measured per-device memory against the two depths' line."""
+    run = run_worker(dict(kind="model_parallel", lever=lever, layers=layers, steps=steps), 3600)
+    line = largest(*runs[lever])
+    predicted = line["fixed"] + line["bytes_per_layer"] * layers
+    print(f"  check {lever} x{layers}: {per_device(run) / MIB:.0f} MiB, the line {predicted / MIB:.0f}", flush=True)
+    return {"run": run, "measured": per_device(run), "predicted": predicted}
 
 
 def fsdp_rss(runs: dict, lever: str = "fsdp8") -> dict:
@@ -212,30 +222,47 @@ def step_runs(layers: int, windows: int, window_steps: int) -> dict:
     return out
 
 
+def loss_gap(runs: dict) -> float:
+    """The largest difference between two levers' last losses at the same depth."""
+    by_depth: dict[int, list[float]] = {}
+    for lever_runs in runs.values():
+        for r in lever_runs:
+            by_depth.setdefault(r["layers"], []).append(r["loss"])
+    return max(max(losses) - min(losses) for losses in by_depth.values())
+
+
 def report(doc: dict) -> str:
     runs, big = doc["memory"], doc["largest"]
     lines = ["<!-- Written by python -m benchmarks.model_parallel_budget: do not edit. -->", "",
              f"**Memory per device** ({DEVICES} simulated CPU devices in one process, AdamW, transformer "
              f"d_model {SPEC['d']}, global batch {BATCH}, {doc['steps']} steps of `fit`). A device's memory: "
              "its own weights and optimizer state, from where each variable lives, plus 1/8 of the rest "
-             "of the process's peak RSS over its RSS before the model was built.", "",
+             "of the process's peak RSS over its RSS before the model was built. Every lever starts from "
+             "the same weights and reads the same batches; the largest difference between two levers' last "
+             f"losses at the same depth: {loss_gap(runs):.1e}.", "",
              "| lever | blocks | parameters | peak RSS MiB | RSS before build MiB | weights + state, "
-             "most loaded device MiB | per device MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "most loaded device MiB | per device MiB | last loss |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for lever in LEVERS:
         for r in runs[lever]:
             lines.append(f"| {lever} | {r['layers']} | {r['params']:,} | {r['peak_rss'] / MIB:.0f} | "
                          f"{r['baseline_rss'] / MIB:.0f} | {max(r['at_rest']) / MIB:.1f} | "
-                         f"{per_device(r) / MIB:.0f} |")
+                         f"{per_device(r) / MIB:.0f} | {r['loss']:.4f} |")
     lines += ["", "**Largest model in 1 GiB per device** (8 devices; the deepest model of d_model 512 whose "
               "per-device memory, linear in the depth between the two measured depths, is within 1 GiB; "
               "computed, not run: 8 x 1 GiB is beyond what this shared machine may hold in one process).", "",
-              "| lever | MiB per block per device | MiB fixed per device | bytes per parameter per device "
-              "| blocks | parameters | source |", "|---|---:|---:|---:|---:|---:|---|"]
+              "| lever | MiB per block per device | of which weights and state | MiB fixed per device "
+              "| bytes per parameter per device | blocks | parameters | source |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for lever in LEVERS:
         b = big[lever]
-        lines.append(f"| {lever} | {b['bytes_per_layer'] / MIB:.1f} | {b['fixed'] / MIB:.0f} | "
+        lines.append(f"| {lever} | {b['bytes_per_layer'] / MIB:.1f} | {b['state_per_layer'] / MIB:.1f} | "
+                     f"{b['fixed'] / MIB:.0f} | "
                      f"{b['bytes_per_param']:.2f} | {b['layers']} | {b['params'] / 1e6:.0f}M | "
                      f"computed from the {runs[lever][0]['layers']}- and {runs[lever][1]['layers']}-block runs |")
+    c = doc["check"]
+    lines += ["", f"The line checked at a third depth: {c['run']['lever']} at {c['run']['layers']} blocks "
+              f"({c['run']['params']:,} parameters) measured {c['measured'] / MIB:.0f} MiB per device, the line "
+              f"through the two depths gives {c['predicted'] / MIB:.0f} MiB."]
     f = doc["fsdp_rss"][0]
     lines += ["", f"**Peak RSS, FSDP against replicated** ({f['layers']} blocks, {f['params']:,} parameters, the "
               "same `fit`): replicated's weight and optimizer-state bytes over all devices less FSDP's are "
@@ -247,7 +274,7 @@ def report(doc: dict) -> str:
                      f"{f['saved'] / MIB:.0f} | {f['removed'] / MIB:.0f} | {f['fraction']:.2f} |")
     step = doc["step"]
     if step:
-        lines += ["", f"**Step time against replicated** ({doc['step_layers']} blocks; each lever and "
+        lines += ["", f"**Step time against replicated** ({doc['step_layers']} block{'s' * (doc['step_layers'] > 1)}; each lever and "
                   "replicated took turns window by window in one run; the ratio is the median of the "
                   "windows' ratios with its 90% interval; the 8 devices share 2 CPU cores).", "",
                   "| lever | replicated step ms | lever step ms | step time / replicated | 90% interval |",
@@ -281,6 +308,7 @@ def main(argv=None) -> None:
     runs = doc["memory"]
     doc["largest"] = {lever: largest(*runs[lever]) for lever in LEVERS}
     doc["fsdp_rss"] = [fsdp_rss(runs, lever) for lever in ("fsdp8", "fsdp8_remat")]
+    doc["check"] = old.get("check") or check_run(runs, "fsdp8", 3 if args.quick else 9, doc["steps"])
     doc["step"] = old.get("step", {}) if args.reuse == "all" else {}
     with open(path, "w") as f:                      # the memory runs kept if the timed ones fail
         json.dump(doc, f, indent=1)
