@@ -21,9 +21,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-from keras_replicator.model_parallel import sharding
 from keras_replicator.model_parallel.fsdp import ReplicaShardedVariable
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
+from keras_replicator.model_parallel.sharding import owner
 
 __all__ = ["INCOMPLETE", "record_slot", "slot_reference", "whole_views"]
 
@@ -36,7 +36,7 @@ INCOMPLETE = object()
 
 def record_slot(slot, reference) -> None:
     """Records that the optimizer made `slot` for `reference` (a shard, or any variable)."""
-    if sharding.owner(reference) is not None:
+    if owner(reference) is not None:
         _references[id(slot)] = (weakref.ref(slot), weakref.ref(reference))
 
 
@@ -67,13 +67,13 @@ def whole_views(variables: Sequence, cache: dict) -> list:
     """
     out, groups, counts = [], {}, {}
     for variable in variables:
-        owned = sharding.owner(variable) if variable is not None else None
+        owned = owner(variable) if variable is not None else None
         if owned is not None:  # a model variable's shard: the whole variable, once
             if owned[1] == 0:
                 out.append(owned[0])
             continue
         reference = slot_reference(variable) if variable is not None else None
-        owned = sharding.owner(reference) if reference is not None else None
+        owned = owner(reference) if reference is not None else None
         if owned is None:
             out.append(variable)
             continue
