@@ -186,6 +186,11 @@ def optimizer() -> keras.optimizers.Optimizer:
     return keras.optimizers.Adam(0.02)
 
 
+def faults_optimizer() -> keras.optimizers.Optimizer:
+    """faults_mode's optimizer (the tests' synchronous reference uses it too)."""
+    return keras.optimizers.SGD(0.1)
+
+
 def fit_mode(strategy, out: str) -> dict:
     x, y = data()
     with strategy.scope():
@@ -293,7 +298,7 @@ def faults_mode(strategy, out: str) -> dict:
     with strategy.scope():
         model = build_model()
         model.count_steps(strategy.num_workers)
-        model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+        model.compile(faults_optimizer(), "mse", steps_per_execution=2)
     train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
     hold = os.environ.get("KR_TEST_HOLD_AT_EPOCH")
     progress = Progress(

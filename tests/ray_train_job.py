@@ -32,6 +32,30 @@ def _report(config: dict, rank: int, attempt: int, **fields) -> None:
         json.dump(fields, f)
 
 
+def _wait_until_registered(epoch: int, limit_s: float = 600.0) -> None:
+    """Wait until Ray Train's controller has registered the checkpoint this worker reported for `epoch`.
+
+    A report is registered when the controller writes it into its checkpoint manager's snapshot
+    (``checkpoint_manager_snapshot.json`` in the run's storage; Ray 2.60, Train v2): that is what a
+    restarted group's `ray.train.get_checkpoint` reads. Waiting for it, not for a fixed time, makes
+    the epoch a restart resumes at exact on a busy machine. `limit_s` is a limit for a hang.
+    """
+    import ray.train
+
+    path = ray.train.get_context().get_storage().checkpoint_manager_snapshot_path
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                latest = json.load(f).get("latest_checkpoint_result") or {}
+        except (OSError, ValueError):  # not written yet, or being written
+            latest = {}
+        if latest.get("metrics", {}).get("epoch", -1) >= epoch:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"Ray Train did not register the report of epoch {epoch} within {limit_s:.0f} s")
+
+
 def regression_loop(config: dict) -> None:
     """tests/launched_job.py's job (data, model, optimizer, batch), with `ReportCheckpoint`.
 
@@ -66,7 +90,7 @@ def regression_loop(config: dict) -> None:
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if attempt == 0 and rank == 1 and epoch == kill_at:
-                time.sleep(5)  # time for Ray's controller to register the last report
+                _wait_until_registered(epoch - 1)
                 os.kill(os.getpid(), signal.SIGKILL)
             epochs_run.append(epoch)
 
@@ -197,7 +221,7 @@ def elastic_loop(config: dict) -> None:
         def on_epoch_begin(self, epoch, logs=None):
             if (workers == 2 and report.restored_epoch is None and epoch == config["shrink_at"]
                     and not on_head):
-                time.sleep(5)  # time for Ray's controller to register the last report
+                _wait_until_registered(epoch - 1)
                 _touch(os.path.join(out, "remove_my_node"))
                 time.sleep(600)  # the driver removes this node, and this process with it
 
@@ -209,7 +233,7 @@ def elastic_loop(config: dict) -> None:
             epochs_done.append(epoch)
             write()
             if workers == 1 and epoch == config.get("grow_at"):
-                time.sleep(2)  # time for Ray's controller to register this epoch's report
+                _wait_until_registered(epoch)  # ReportCheckpoint, the callback before this one, reported it
                 _touch(os.path.join(out, "add_a_node"))
                 deadline = time.monotonic() + config["grow_wait"]
                 while time.monotonic() < deadline:  # Ray resizes the group: this process ends

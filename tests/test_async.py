@@ -201,12 +201,12 @@ def test_the_sync_strategy_points_to_the_async_one_for_ps_tasks():
 ASYNC_UPDATES_PER_SYNC_UPDATE = 8
 
 
-def synchronous_loss(updates: int) -> float:
-    """The fit job's evaluated loss after ``updates`` synchronous steps on one device: its model,
-    optimizer and batch size, batches drawn from its data in a fixed order."""
+def synchronous_loss(updates: int, optimizer=job.optimizer) -> float:
+    """A job's evaluated loss after ``updates`` synchronous steps on one device: its model,
+    optimizer (fit_mode's by default) and batch size, batches drawn from its data in a fixed order."""
     x, y = job.data()
     model = job.build_model()
-    model.compile(job.optimizer(), "mse")
+    model.compile(optimizer(), "mse")
     order = np.random.default_rng(0).permutation(len(x))
     for step in range(updates):
         batch = order[step * job.BATCH_SIZE % len(x):][: job.BATCH_SIZE]
@@ -306,8 +306,10 @@ def test_a_worker_killed_mid_epoch_is_replaced_and_every_step_runs(start_job):
     assert report["epochs_run"] == list(range(epochs)) and epochs >= min_epochs, report["epochs_run"]
     # Every requested step ran; a step cut short by the kill may have run twice (at least once).
     assert epochs * 40 <= report["iterations"] <= epochs * 40 + 2
-    loss = report["history"]["loss"]
-    assert all(b < a for a, b in zip(loss, loss[1:3])) and loss[-1] < 0.3 * loss[0], loss
+    # It learns: the evaluated loss falls at least as far as a synchronous run's after an eighth of
+    # the updates applied (as in test_fit_evaluate_predict_and_save; faults_mode's SGD(0.1)).
+    reference = synchronous_loss(report["iterations"] // ASYNC_UPDATES_PER_SYNC_UPDATE, job.faults_optimizer)
+    assert report["evaluation"] < reference, (report["evaluation"], reference, report["history"]["loss"])
     # Both workers ran steps before the kill, and worker 1 again after its restart: it rejoined
     # (the chief ended at the first epoch after that, or at the 14th).
     counts = np.array(report["steps_by_worker"])
@@ -358,8 +360,10 @@ def test_a_dead_worker_does_not_end_a_launched_job(tmp_path, max_restarts):
     assert counts[0][1] > 0 and counts[-1].sum() >= epochs * steps_per_epoch, counts
     if not max_restarts:  # worker 1 ran nothing after its death: worker 0 ran its share
         assert counts[-1][1] == counts[0][1], counts
-    loss = report["history"]["loss"]
-    assert loss[-1] < 0.3 * loss[0], loss
+    # It learns, against a synchronous run of an eighth of the updates applied (not a fixed ratio:
+    # how far asynchronous steps get depends on how they interleave).
+    reference = synchronous_loss(report["iterations"] // ASYNC_UPDATES_PER_SYNC_UPDATE, job.faults_optimizer)
+    assert report["evaluation"] < reference, (report["evaluation"], reference, report["history"]["loss"])
     # The chief saved the model after the last step: its optimizer counted every one.
     saved = keras.models.load_model(out / "model.keras")
     assert int(saved.optimizer.iterations.numpy()) == report["iterations"]

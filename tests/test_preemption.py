@@ -146,9 +146,15 @@ def test_sigterm_to_one_worker_stops_both_after_the_same_step_and_the_launcher_r
     print(f"stopped {stops[0][1]}; weight gap to an uninterrupted run: {gap:.2g}")
 
 
-def test_a_silent_worker_ends_the_job_within_60_s_named_and_nothing_is_left(tmp_path):
+def test_a_silent_worker_ends_the_job_by_its_failure_timeout_named_and_nothing_is_left(tmp_path):
+    """A SIGSTOPped worker: the heartbeat (``failure_timeout=30``) ends the job with WorkerLostError.
+
+    The bound separates the outcomes by construction, not by the machine's speed: detected, the job
+    ends about 30 s after the stop plus the teardown (which a busy machine slows); undetected, it
+    would hang until the launcher's own 600 s timeout. The cause is checked by the error's text.
+    """
     command = [sys.executable, "-m", "keras_replicator", "launch", "--workers", "2", "--devices-per-worker", "1",
-               "--timeout", "300", JOB, str(tmp_path), "--silent"]
+               "--timeout", "600", JOB, str(tmp_path), "--silent"]
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     pids = []
@@ -160,14 +166,14 @@ def test_a_silent_worker_ends_the_job_within_60_s_named_and_nothing_is_left(tmp_
         pids = [int((tmp_path / f"pid.worker{i}").read_text()) for i in range(2)]
         os.kill(pids[1], signal.SIGSTOP)  # alive, but silent: no heartbeat, no collective
         stopped = time.monotonic()
-        output, _ = process.communicate(timeout=120)
+        output, _ = process.communicate(timeout=500)
         ended = time.monotonic() - stopped
     finally:
         for pid in (process.pid, *pids):
             _kill_group(pid)
         process.wait()
     print(f"a silent worker ended the job after {ended:.1f} s")
-    assert ended <= 60, output[-4000:]
+    assert ended < 240, output[-4000:]  # the launcher's 600 s timeout would come far later
     assert process.returncode not in (0, None)
     assert "keras_replicator.errors.WorkerLostError: Lost worker 1 (/job:worker/task:1 at 127.0.0.1:" in output, \
         output[-4000:]
