@@ -73,8 +73,20 @@ def build_in_scope(strategy, build):
 
 
 def describe_cross_device_ops(strategy) -> str:
-    """A short human-readable name of the strategy's cross-device reduction."""
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    """A short human-readable name of the strategy's cross-device reduction.
+
+    For a `ReplicatorStrategy` whose step is traced once (the default), the all-reduce inside a
+    step is its collective, not its `cross_device_ops` (which reduce outside steps): both are named.
+    """
+    extended = strategy.extended
+    in_steps = extended.step_all_reduce() if hasattr(extended, "step_all_reduce") else None
+    outside = _describe_ops(getattr(extended, "_cross_device_ops", None))
+    if in_steps is not None and in_steps is not getattr(extended, "_cross_device_ops", None):
+        return f"{_describe_ops(in_steps)} in steps, {outside} outside them"
+    return outside
+
+
+def _describe_ops(ops) -> str:
     if ops is None:
         return "none"
     name = type(ops).__name__

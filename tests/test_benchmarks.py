@@ -78,6 +78,18 @@ def test_figures_are_positive_and_finite(quick_run):
         assert _positive(entry["gbps_one_per_call"]["1"]), entry
 
 
+def test_ours_names_the_all_reduce_inside_its_steps_and_outside(quick_run):
+    """Traced once (the default), ours all-reduces in a step with TensorFlow's collective and
+    outside steps with its cross_device_ops: the run names both (it once named only the latter)."""
+    _, doc, _, _ = quick_run
+    ours = [e for e in doc["training"] + doc["allreduce"]
+            if e.get("strategy", e.get("impl")) == "ours" and e["devices"] > 1]
+    assert ours
+    for entry in ours:
+        assert entry["cross_device_ops"].startswith("CollectiveAllReduce(RING) in steps, "), entry
+        assert entry["cross_device_ops"].endswith(" outside them"), entry
+
+
 def test_table_and_plot_are_written(quick_run):
     out, doc, _, stdout = quick_run
     table = (out / "benchmarks.md").read_text()
