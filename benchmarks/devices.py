@@ -80,10 +80,10 @@ def describe_cross_device_ops(strategy) -> str:
     """
     extended = strategy.extended
     in_steps = extended.step_all_reduce() if hasattr(extended, "step_all_reduce") else None
-    outside = _describe_ops(getattr(extended, "_cross_device_ops", None))
-    if in_steps is not None and in_steps is not getattr(extended, "_cross_device_ops", None):
-        return f"{_describe_ops(in_steps)} in steps, {outside} outside them"
-    return outside
+    ops = getattr(extended, "_cross_device_ops", None)
+    if in_steps is not None and in_steps is not ops:
+        return f"{_describe_ops(in_steps)} in steps, {_describe_ops(ops)} outside them"
+    return _describe_ops(ops)
 
 
 def _describe_ops(ops) -> str:
