@@ -58,6 +58,15 @@ def announce(what: str, num_replicas: int, devices: Sequence[str], all_reduce: s
     logger.info(line)
     return line
 
+def per_replica_ops(name: str) -> str:
+    """Logs (at WARNING, once per strategy) that a given non-collective all-reduce is kept in steps."""
+    _default_handler()
+    line = (f"cross_device_ops={name}() is not a collective all-reduce: it does the all-reduces "
+            "inside steps too, through merge_call, so each step is traced once per replica (the "
+            "time to the first step grows with the replicas). For one trace, leave "
+            'cross_device_ops out, or pass communication="nccl" (or "ring").')
+    logger.warning(line)
+    return line
 
 
 def announce_async(num_workers: int, num_ps: int) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_replicator._validation import ArgumentError
+
 
 def _is_chief(model: keras.Model) -> bool:
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
@@ -61,9 +63,9 @@ def save_model(model: keras.Model, filepath: str, **kwargs: Any) -> bool:
         True on the worker that wrote ``filepath`` (the chief), False elsewhere.
     """
     if not isinstance(model, keras.Model):
-        raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        raise ArgumentError(f"model must be a keras.Model, got {type(model).__name__}.")
     if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
-        raise ValueError(f"filepath must be a path, got {filepath!r}.")
+        raise ArgumentError(f"filepath must be a path, got {filepath!r}.")
     filepath = os.fspath(filepath)
     save = model.save_weights if filepath.endswith(".weights.h5") else model.save
     if _is_chief(model):

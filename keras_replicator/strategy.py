@@ -56,17 +56,17 @@ def _device_strings(devices) -> list[str]:
     try:
         names = list(names)
     except TypeError:
-        raise TypeError(
+        raise ArgumentError(
             f"devices must be a list of device names such as ['/gpu:0', '/gpu:1'], got {devices!r}"
         ) from None
     if not names:
-        raise ValueError("devices is empty: give at least one device, or None for all local devices.")
+        raise ArgumentError("devices is empty: give at least one device, or None for all local devices.")
     out = []
     for d in names:
         if isinstance(d, tf.config.LogicalDevice):
             d = d.name
         if not isinstance(d, str):
-            raise TypeError(f"Each device must be a string such as '/gpu:0', got {d!r}.")
+            raise ArgumentError(f"Each device must be a string such as '/gpu:0', got {d!r}.")
         out.append(d)
     return out
 
@@ -77,16 +77,16 @@ def _normalise_devices(devices) -> list[str]:
     names = _device_strings(devices)
     specs = [tf.DeviceSpec.from_string(d) for d in names]
     if len({s.to_string() for s in specs}) != len(specs):
-        raise ValueError(f"devices has duplicates: {names}")
+        raise ArgumentError(f"devices has duplicates: {names}")
     local = tf.config.list_logical_devices()
     known = {(s.device_type, s.device_index) for s in (tf.DeviceSpec.from_string(d.name) for d in local)}
     for name, spec in zip(names, specs):
         if spec.job not in (None, "localhost"):
             continue  # a remote device: checked when the cluster connects
         if (spec.device_type or "").upper() not in ("CPU", "GPU", "TPU"):
-            raise ValueError(f"Device {name!r} names no device type; write e.g. '/gpu:0'.")
+            raise ArgumentError(f"Device {name!r} names no device type; write e.g. '/gpu:0'.")
         if (spec.device_type.upper(), spec.device_index or 0) not in known:
-            raise ValueError(
+            raise ArgumentError(
                 f"Device {name!r} does not exist here. Local devices: {[d.name for d in local]}. "
                 "On a CPU-only machine, call kr.simulate_devices(n) first to get n CPU devices."
             )
@@ -119,15 +119,15 @@ def _local_device_names(devices) -> list[str] | None:
     for d in names:
         spec = tf.DeviceSpec.from_string(d)
         if spec.job not in (None, "localhost") or spec.task not in (None, 0):
-            raise ValueError(
+            raise ArgumentError(
                 f"Device {d!r} names a job or task. In a multi-worker job, devices= lists this "
                 "worker's local devices, e.g. ['/gpu:0', '/gpu:1']."
             )
         if (spec.device_type or "").upper() not in ("CPU", "GPU"):
-            raise ValueError(f"Device {d!r} names no device type; write e.g. '/gpu:0'.")
+            raise ArgumentError(f"Device {d!r} names no device type; write e.g. '/gpu:0'.")
         out.append(f"/device:{spec.device_type.upper()}:{spec.device_index or 0}")
     if len(set(out)) != len(out):
-        raise ValueError(f"devices has duplicates: {names}")
+        raise ArgumentError(f"devices has duplicates: {names}")
     return out
 
 
@@ -204,9 +204,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             reduction on one device over CPU devices, for reductions across
             replicas outside a step; inside a step traced once every replica
             all-reduces with its own collective launcher. Given here, a
-            ``CrossDeviceOps`` that is not a collective all-reduce also does a
-            step's all-reduces, and the step is traced per replica. One
-            machine only; across workers choose ``communication``.
+            ``CrossDeviceOps`` that is not a collective all-reduce (e.g.
+            ``NcclAllReduce``, ``ReductionToOneDevice``) also does a step's
+            all-reduces, and the step is traced per replica: a warning at
+            creation says so (``communication="nccl"`` keeps one trace). As for
+            ``MirroredStrategy``, ``devices`` and ``cross_device_ops`` may be
+            given by position. One machine only; across workers choose
+            ``communication``.
         cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``
             describing a multi-worker job. ``None`` looks at ``TF_CONFIG``, then
             at a Kubernetes JobSet pod's, then at Slurm's environment (see
@@ -274,8 +278,8 @@ class ReplicatorStrategy(tf.distribute.Strategy):
     def __init__(
         self,
         devices: Sequence[str] | None = None,
-        *,
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
+        *,
         cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
         communication: str = "auto",
         failure_timeout: float = 30.0,
@@ -293,10 +297,11 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             devices_per_replica, devices = _mesh_shape(rules, devices_per_replica, devices)
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         trace_once = check_bool("trace_once", trace_once)
+        given_ops = cross_device_ops
         if cross_device_ops is not None and not isinstance(
             cross_device_ops, tf.distribute.CrossDeviceOps
         ):
-            raise TypeError(
+            raise ArgumentError(
                 "cross_device_ops must be a tf.distribute.CrossDeviceOps such as "
                 f"tf.distribute.ReductionToOneDevice(), got {cross_device_ops!r}."
             )
@@ -316,7 +321,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         spec = resolver.cluster_spec() if resolver is not None else tf.train.ClusterSpec({})
         if sum(spec.num_tasks(job) for job in spec.jobs) > 1:
             if cross_device_ops is not None:
-                raise ValueError(
+                raise ArgumentError(
                     "cross_device_ops applies to one machine; in a multi-worker job choose "
                     'communication="ring" or "nccl" instead.'
                 )
@@ -360,6 +365,10 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         if in_steps is not None and in_steps is not extended.cross_device_ops:
             all_reduce = (f"{_announce.all_reduce_name(in_steps, communication)} in steps, "
                           f"{all_reduce} outside them")
+        elif given_ops is not None and in_steps is None and trace_once and (
+                self.num_replicas_in_sync > 1 and devices_per_replica == 1):
+            all_reduce += " (in steps too: steps traced per replica)"
+            _announce.per_replica_ops(type(given_ops).__name__)
         _announce.announce(
             "ReplicatorStrategy", self.num_replicas_in_sync, self.mesh.devices, all_reduce,
             self.num_workers, self.worker_index,

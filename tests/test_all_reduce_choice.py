@@ -1,5 +1,7 @@
 """ReplicatorStrategy's default cross-device reduction (chosen from the benchmarks)."""
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -198,3 +200,85 @@ def test_packed_batch_reduction_to_one_device_gives_plain_tensors():
     assert tf.DeviceSpec.from_string(total.device).device_index == 0
     np.testing.assert_array_equal(total.numpy(), np.full([3], n * (n - 1) / 2))
     np.testing.assert_array_equal(count.numpy(), np.full([2, 2], n))
+
+
+class _CountingReduction(tf.distribute.ReductionToOneDevice):
+    """ReductionToOneDevice that counts the reductions it is asked for (once per trace)."""
+
+    calls = 0
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        type(self).calls += 1
+        return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        type(self).calls += 1
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _startup_lines(make):
+    logger = logging.getLogger("keras_replicator")
+    handler = _Lines()
+    logger.addHandler(handler)
+    try:
+        strategy = make()
+    finally:
+        logger.removeHandler(handler)
+    return strategy, handler.lines
+
+
+def test_mirrored_strategys_positional_arguments_are_accepted():
+    # tf.distribute.MirroredStrategy(devices, cross_device_ops), as a migrating user writes it.
+    devices = ["/cpu:0", "/cpu:1"]
+    ops = tf.distribute.ReductionToOneDevice()
+    strategy = kr.ReplicatorStrategy(devices, ops)
+    assert strategy.num_replicas_in_sync == 2 and strategy.extended.cross_device_ops is ops
+    with pytest.raises(TypeError, match="positional"):
+        kr.ReplicatorStrategy(devices, ops, None)  # the other arguments stay keyword-only
+
+
+def test_a_non_collective_cross_device_ops_is_honoured_in_steps_and_said():
+    _CountingReduction.calls = 0
+    strategy, lines = _startup_lines(lambda: kr.ReplicatorStrategy(cross_device_ops=_CountingReduction()))
+    warnings = [text for level, text in lines if level == "WARNING"]
+    assert len(warnings) == 1 and "_CountingReduction() is not a collective all-reduce" in warnings[0]
+    assert "traced once per replica" in warnings[0], warnings
+    announced = [text for level, text in lines if level == "INFO"]
+    assert announced and announced[0].endswith(
+        "all-reduce: _CountingReduction (in steps too: steps traced per replica)"), announced
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: kr.all_reduce(tf.cast(kr.replica_id() + 1, tf.float32), "sum"))
+
+    sums = strategy.experimental_local_results(step())
+    assert [float(s) for s in sums] == [10.0] * 4  # 1 + 2 + 3 + 4 on every replica
+    assert _CountingReduction.calls >= 1  # the user's reduction did the step's all-reduce
+
+
+def test_the_default_and_a_collective_choice_say_nothing_more():
+    _, lines = _startup_lines(lambda: kr.ReplicatorStrategy())
+    assert [level for level, _ in lines] == ["INFO"], lines
+    _, lines = _startup_lines(lambda: kr.ReplicatorStrategy(communication="ring"))
+    assert [level for level, _ in lines] == ["INFO"], lines
+    _, lines = _startup_lines(lambda: kr.ReplicatorStrategy(cross_device_ops=_CountingReduction(),
+                                                            trace_once=False))
+    assert [level for level, _ in lines] == ["INFO"], lines  # per replica was asked for
+
+
+def test_a_bad_cross_device_ops_is_an_argument_error():
+    with pytest.raises(kr.errors.ArgumentError, match="cross_device_ops must be"):
+        kr.ReplicatorStrategy(cross_device_ops="nccl")
+    with pytest.raises(kr.errors.ArgumentError, match="Each device must be a string"):
+        kr.ReplicatorStrategy([0, 1])
+    with pytest.raises(kr.errors.ArgumentError, match="does not exist here"):
+        kr.ReplicatorStrategy(["/gpu:7"])

@@ -43,7 +43,7 @@ def test_save_model_writes_on_one_machine(tmp_path):
         np.testing.assert_array_equal(a, b)
     assert kr.save_model(model, str(tmp_path / "m.weights.h5")) is True
     assert sorted(os.listdir(tmp_path)) == ["m.keras", "m.weights.h5"]
-    with pytest.raises(ValueError, match="model must be a keras.Model, got str"):
+    with pytest.raises(kr.errors.ArgumentError, match="model must be a keras.Model, got str"):
         kr.save_model("model", tmp_path / "x.keras")
-    with pytest.raises(ValueError, match="filepath must be a path, got ''"):
+    with pytest.raises(kr.errors.ArgumentError, match="filepath must be a path, got ''"):
         kr.save_model(model, "")
