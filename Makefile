@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.model_parallel
 	$(PY) -m benchmarks.model_parallel --pairing
 	$(PY) -m benchmarks.model_parallel_budget
+	$(PY) -m benchmarks.docs_tables --write
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick

@@ -1,13 +1,9 @@
-"""mkdocs hooks: results sections included by name, and no raw Sphinx role in a rendered page.
+"""mkdocs hooks: the site shows the Markdown as the code host does, and no raw Sphinx role.
 
-A page includes one section of a results file that `make bench` writes with a line
-
-    <!-- results: benchmarks/results/benchmarks.md "Input pipeline" -->
-
-which becomes that file's paragraph starting with `**Input pipeline**` and everything up to the
-next such bold title: a figure then has one source, the file, and the page follows every new run
-(`pymdownx.snippets`' `--8<--` includes a whole file; its sections need markers the generated files
-do not have). A missing file or section fails the build.
+The pages are built as written: no include, no expansion. A results table is written into its page
+by `python -m benchmarks.docs_tables --write` (between `<!-- results: ... -->` and
+`<!-- /results -->`), so the code host, which renders the raw Markdown, shows it too. A page with
+an include line (`--8<--`), or whose tables differ from their results files, fails the build.
 
 mkdocstrings renders docstrings as Markdown, so `:class:`Name`` would reach the API
 reference as literal text; write `Name` (or a Markdown link) instead.
@@ -15,35 +11,27 @@ reference as literal text; write `Name` (or a Markdown link) instead.
 
 import os
 import re
+import sys
 
 from mkdocs.exceptions import PluginError
 
 _ROLE = re.compile(r":(class|func|meth|mod|attr|exc|obj|data):(`|<code>)")
-RESULTS = re.compile(r'^<!-- results: (\S+) "([^"]+)" -->$', re.M)
-_TITLE = re.compile(r"^\*\*[A-Z`]")
-
-
-def results_section(path: str, title: str, root: str = ".") -> str:
-    """The section of the Markdown file ``path`` whose first line starts with ``**title**``."""
-    full = os.path.join(root, path)
-    if not os.path.exists(full):
-        raise PluginError(f"results: {path} does not exist")
-    with open(full, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(f"**{title}**")), None)
-    if start is None:
-        raise PluginError(f'results: {path} has no section "**{title}**"')
-    end = next((i for i in range(start + 1, len(lines)) if _TITLE.match(lines[i])), len(lines))
-    return "\n".join(lines[start:end]).strip() + "\n"
-
-
-def expand_results(markdown: str, root: str = ".") -> str:
-    """``markdown`` with every results line replaced by its section."""
-    return RESULTS.sub(lambda m: results_section(m.group(1), m.group(2), root), markdown)
+_INCLUDE = re.compile(r'^--8<-- ', re.M)
 
 
 def on_page_markdown(markdown, page, config, files):
-    return expand_results(markdown, os.path.dirname(config.config_file_path))
+    root = os.path.dirname(config.config_file_path)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.docs_tables import written
+
+    if _INCLUDE.search(markdown):
+        raise PluginError(f"{page.file.src_path}: an include line (--8<--); the code host cannot "
+                          "expand it: write the results in with python -m benchmarks.docs_tables --write")
+    if page.file.src_path.endswith(".md") and written(markdown, root) != markdown:
+        raise PluginError(f"{page.file.src_path}: its results tables differ from benchmarks/results/: "
+                          "run python -m benchmarks.docs_tables --write")
+    return markdown
 
 
 def on_page_content(html, page, config, files):

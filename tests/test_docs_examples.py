@@ -114,8 +114,16 @@ RUN_HERE = {
     ("docs/primitives.md", 0), ("docs/contributing.md", 0), ("docs/optimizers.md", 2),
     ("docs/fault_tolerance.md", 0), ("docs/fault_tolerance.md", 1), ("docs/multi_worker.md", 1),
     ("docs/sngan.md", 0), ("docs/memory.md", 0), ("docs/keras_distribution.md", 0),
-    ("docs/keras_distribution.md", 1),
+    ("docs/keras_distribution.md", 1), ("docs/migrating.md", 0),
 }
+
+
+def test_migration_guide_example_takes_mirrored_strategys_arguments_by_position():
+    block = python_blocks("docs/migrating.md")[0]
+    assert 'kr.ReplicatorStrategy(["/cpu:0", "/cpu:1"], tf.distribute.ReductionToOneDevice())' in block
+    result = run_markdown_example("docs/migrating.md", 0)
+    assert "replicas: 2" in result.stdout
+    assert "ReductionToOneDevice() is not a collective all-reduce" in result.stderr  # said, not silent
 
 
 def test_sngan_guide_example():
