@@ -8,11 +8,14 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras_replicator as kr  # noqa: E402
+from quiet_start import quiet_start  # noqa: E402 (examples/quiet_start.py: imports no TensorFlow)
 
 REPLICAS = int(os.environ.get("DEMO_REPLICAS", "4"))
 EPOCHS = int(os.environ.get("DEMO_EPOCHS", "20"))
-kr.simulate_devices(REPLICAS)  # before TensorFlow starts
+with quiet_start():  # without TensorFlow's no-GPU lines (a red cuInit error on a CPU machine)
+    import keras_replicator as kr
+
+    kr.simulate_devices(REPLICAS)  # before TensorFlow starts
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--grace", type=_number_type(float, "at least 0", lambda v: v >= 0),
                         default=None, metavar="SECONDS",
                         help="time between forwarding a stop signal and SIGKILL (default: 5, grown to "
-                        "2 x the chief's last backup save + 5 once a save was measured)")
+                        "2 x the longest backup save the chief recorded + 5; given: a warning if "
+                        "shorter than that)")
     launch.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
                         help="stop every worker after this long and exit with 124")
     launch.set_defaults(func=_launch)

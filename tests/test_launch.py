@@ -863,3 +863,20 @@ def test_one_address_parser():
                          ("h/x:1", "master must be host:port"), (None, "master must be host:port, got None")):
         with pytest.raises(ValueError, match=re.escape(message)):
             split_address(bad, "master")
+
+
+def test_grace_help_says_what_the_watch_does(tmp_path):
+    # The default grace follows the longest save recorded, not the last one (issue 49).
+    from keras_replicator.__main__ import build_parser
+    from keras_replicator.launch.grace import SaveRecordWatch
+
+    launch = build_parser()._subparsers._group_actions[0].choices["launch"]
+    text = " ".join(launch.format_help().split())
+    assert "2 x the longest backup save the chief recorded + 5" in text, text
+    path = tmp_path / "save.json"
+    watch = SaveRecordWatch(str(path), grace=None, say=lambda line: None)
+    for seconds, mtime in ((7.4, 1), (3.0, 2)):
+        path.write_text(json.dumps({"seconds": seconds, "bytes": 1}))
+        os.utime(path, ns=(mtime * 10**9, mtime * 10**9))
+        watch.poll()
+    assert watch.grace == 20.0  # 2 x 7.4 + 5, rounded up: the longest, not the last (3.0 s: 11)
