@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster
 from keras_replicator._compat import tf_data, tf_logging
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
 from keras_replicator.launch.addresses import split_address
 
@@ -189,7 +189,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
         failure_timeout = check_number("failure_timeout", failure_timeout, positive=True)
         shutdown_grace = check_number("shutdown_grace", shutdown_grace, non_negative=True)
         if variable_partitioner is not None and not callable(variable_partitioner):
-            raise TypeError(
+            raise ArgumentError(
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
@@ -351,12 +351,12 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
             An `AsyncDataset` to pass to `model.fit`.
 
         Raises:
-            ValueError: `dataset_fn` returns a batched dataset with a
-                `per_replica_batch_size`, or an unbatched one without.
-            TypeError: `dataset_fn` is not callable or returns no `tf.data.Dataset`.
+            ArgumentError: (a `ValueError` and a `TypeError`) `dataset_fn` is not
+                callable or returns no `tf.data.Dataset`, or returns a batched dataset
+                with a `per_replica_batch_size`, or an unbatched one without.
         """
         if not callable(dataset_fn) or isinstance(dataset_fn, tf.data.Dataset):
-            raise TypeError(
+            raise ArgumentError(
                 "dataset_fn must be a function input_context -> tf.data.Dataset (each worker calls "
                 f"it to build its own pipeline), got {dataset_fn!r}."
             )
@@ -364,22 +364,22 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
             "per_replica_batch_size", per_replica_batch_size, minimum=1, optional=True
         )
         if options is not None and not isinstance(options, tf.distribute.InputOptions):
-            raise TypeError(f"options must be a tf.distribute.InputOptions, got {options!r}.")
+            raise ArgumentError(f"options must be a tf.distribute.InputOptions, got {options!r}.")
         context = tf.distribute.InputContext(
             num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=self.num_replicas_in_sync
         )
         probe = dataset_fn(context)
         if not isinstance(probe, tf.data.Dataset):
-            raise TypeError(f"dataset_fn must return a tf.data.Dataset, it returned {type(probe).__name__}.")
+            raise ArgumentError(f"dataset_fn must return a tf.data.Dataset, it returned {type(probe).__name__}.")
         found = tf_data.find_batch(probe)
         if per_replica_batch_size is not None and found is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"dataset_fn returns a dataset batched by {found[0]} (it ends with .batch()), and "
                 f"per_replica_batch_size={per_replica_batch_size} asks to batch it again. Return "
                 "single examples from dataset_fn, or drop per_replica_batch_size."
             )
         if per_replica_batch_size is None and found is None:
-            raise ValueError(
+            raise ArgumentError(
                 "dataset_fn returns single examples (no .batch() at its end) and no "
                 "per_replica_batch_size was given: pass per_replica_batch_size=..., or batch in "
                 "dataset_fn."

@@ -19,7 +19,7 @@ Ray and Keras need between them is here:
 * `init_local`: a local Ray instance on 127.0.0.1 only (tests, a laptop).
 
 Ray is imported when these are used, never by `import keras_replicator`; it comes with the
-`ray` extra (`pip install "keras-replicator[ray]"`).
+`ray` extra (`pip install ".[ray]"` from the root of your clone).
 
 Example:
     ```python
@@ -66,7 +66,7 @@ __all__ = [
     "undo_legacy_keras",
 ]
 
-INSTALL_HINT = 'pip install "keras-replicator[ray]"'
+INSTALL_HINT = 'pip install "ray[train]==2.60.0" (the ray extra: pip install ".[ray]" in your clone)'
 """What installs Ray Train (`ray[train]`, with pandas and pyarrow) for this module."""
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

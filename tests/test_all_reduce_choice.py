@@ -275,7 +275,9 @@ def test_the_default_and_a_collective_choice_say_nothing_more():
     assert [level for level, _ in lines] == ["INFO"], lines  # per replica was asked for
 
 
-def test_a_bad_cross_device_ops_is_an_argument_error():
+def test_bad_strategy_arguments_are_argument_errors():
+    with pytest.raises(kr.errors.ArgumentError, match="variable_partitioner must be"):
+        kr.AsyncReplicatorStrategy(variable_partitioner=3)
     with pytest.raises(kr.errors.ArgumentError, match="cross_device_ops must be"):
         kr.ReplicatorStrategy(cross_device_ops="nccl")
     with pytest.raises(kr.errors.ArgumentError, match="Each device must be a string"):

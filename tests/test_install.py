@@ -116,6 +116,15 @@ def test_pip_lines_are_found():
         "./keras_replicator (the package folder, not the project)")
 
 
+def test_no_install_hint_names_a_release_that_does_not_exist():
+    # The package's own messages ("install the rl extra: ...") and the tutorials say the same.
+    sources = glob.glob(os.path.join(ROOT, "keras_replicator", "**", "*.py"), recursive=True)
+    sources += glob.glob(os.path.join(ROOT, "tutorials", "*.ipynb"))
+    found = [os.path.relpath(path, ROOT) for path in sources
+             if re.search(r"pip install \\?[\"']keras-replicator\[", _read(path))]
+    assert not found, f"pip install \"keras-replicator[...]\" (no release on PyPI) in {found}"
+
+
 def test_python_m_build_writes_the_wheel_the_readme_names(clone):
     assert os.path.exists(os.path.join(clone, "dist", _wheel_name())), os.listdir(os.path.join(clone, "dist"))
 

@@ -277,7 +277,7 @@ def input_fn(
     non-commercial terms), put them in ``<data_dir>/downloads/manual/`` and run
     ``tfds build imagenet2012 --data_dir <data_dir>`` once (about 150 GB, a few
     hours). Tests and the tutorial's smoke mode use ``tfds.testing.mock_data``
-    instead. Needs ``tensorflow-datasets`` (``pip install "keras-replicator[datasets]"``).
+    instead. Needs ``tensorflow-datasets`` (``pip install tensorflow-datasets``, or the clone's ``pip install ".[datasets]"``).
 
     Example:
         ```python

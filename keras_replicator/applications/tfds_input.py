@@ -78,7 +78,7 @@ def sharded_dataset(
     `seed` and the pipeline's id), the data repeats forever, and every example
     comes with its own `[2]` seed (`example_seeds`): the elements are
     `(example, seed)`. For evaluation the elements are the examples, once.
-    Needs `tensorflow-datasets` (`pip install "keras-replicator[datasets]"`).
+    Needs `tensorflow-datasets` (`pip install tensorflow-datasets`, or the clone's `pip install ".[datasets]"`).
 
     Example:
         ```python

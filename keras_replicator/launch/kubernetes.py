@@ -443,8 +443,8 @@ def to_yaml(documents: Sequence[dict[str, Any]]) -> str:
         import yaml
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            "keras-replicator k8s writes YAML with PyYAML: pip install 'keras-replicator[k8s]' "
-            "(or pip install pyyaml)."
+            "keras-replicator k8s writes YAML with PyYAML: pip install pyyaml (or the k8s extra: "
+            "pip install '.[k8s]' from the root of your keras_replicator clone)."
         ) from None
     return yaml.safe_dump_all(list(documents), sort_keys=False, default_flow_style=False)
 

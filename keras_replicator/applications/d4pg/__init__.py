@@ -7,7 +7,7 @@ replay with a samples-per-insert rate limiter. `python -m keras_replicator.appli
 trains on a Gymnasium or DeepMind Control Suite task: the command line fills a
 `config.D4PGConfig`, `builder` makes the run's parts from it (`make_learner`, `make_replay`,
 `make_actors`, `make_feeder`) and `training.run` wires them. Environments and actors need the `rl`
-extra (`pip install "keras-replicator[rl]"`); networks, losses and the learner do not.
+extra (`pip install ".[rl]"` from the root of your clone); networks, losses and the learner do not.
 
 Example:
     ```python

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-INSTALL_HINT = 'pip install "keras-replicator[rl]"'
+INSTALL_HINT = 'pip install ".[rl]" from the root of your keras_replicator clone'
 
 
 def require(module: str):
