@@ -129,24 +129,40 @@ def test_python_m_build_writes_the_wheel_the_readme_names(clone):
     assert os.path.exists(os.path.join(clone, "dist", _wheel_name())), os.listdir(os.path.join(clone, "dist"))
 
 
-def _dry_run(line: str, cwd: str, report: str) -> list[dict]:
-    args = shlex.split(line)[2:]
+def _dry_run(args: list[str], cwd: str, report: str) -> list[dict]:
     _run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
           "--quiet", "--report", report, *args], cwd=cwd)
     with open(report, encoding="utf-8") as f:
         return json.load(f)["install"]
 
 
-@pytest.mark.parametrize("line", sorted({line for page in _pages() for line in pip_lines(_read(page))}))
-def test_every_pip_line_of_the_docs_installs_from_the_clone(clone, tmp_path, line):
-    installs = _dry_run(line, clone, str(tmp_path / "report.json"))
-    ours = [i for i in installs if i["metadata"]["name"] == "keras-replicator"]
-    for item in ours:
-        provided = set(item["metadata"].get("provides_extra", []))
-        requested = set(item.get("requested_extras") or [])
-        assert requested <= provided, f"{line}: no extra {sorted(requested - provided)} ({sorted(provided)})"
-    expected = len(shlex.split(line)) - 2
-    assert len(installs) == expected, f"{line}: pip would install {[i['metadata']['name'] for i in installs]}"
+def _target(arg: str) -> str:
+    """A pip argument without its extras: `.[gpu,hub]` -> `.`."""
+    return re.sub(r"\[[^\]]*\]$", "", arg)
+
+
+def _extras(arg: str) -> set[str]:
+    found = re.search(r"\[([^\]]*)\]$", arg)
+    return {e.strip() for e in found.group(1).split(",")} if found else set()
+
+
+def test_every_pip_line_of_the_docs_installs_from_the_clone(clone, tmp_path):
+    # One pip run per target (the clone, the wheel, a registry package) with every line's
+    # arguments for it: pip parses each, builds the project's metadata once, and merges extras.
+    lines = sorted({line for page in _pages() for line in pip_lines(_read(page))})
+    by_target: dict[str, list[str]] = {}
+    for line in lines:
+        for arg in shlex.split(line)[2:]:
+            by_target.setdefault(_target(arg), []).append(arg)
+    provided = {}
+    for i, (target, args) in enumerate(sorted(by_target.items())):
+        installs = _dry_run(sorted(set(args)), clone, str(tmp_path / f"report{i}.json"))
+        assert len(installs) == 1, f"{args}: pip would install {[x['metadata']['name'] for x in installs]}"
+        provided[target] = (installs[0]["metadata"]["name"], set(installs[0]["metadata"].get("provides_extra", [])))
+    assert provided["."][0] == "keras-replicator" and {"cpu", "gpu"} <= provided["."][1]
+    wrong = [(line, arg) for line in lines for arg in shlex.split(line)[2:]
+             if not _extras(arg) <= provided[_target(arg)][1]]
+    assert not wrong, f"extras the project does not provide: {wrong}"
 
 
 def _fresh_venv(path: str) -> str:
@@ -168,12 +184,11 @@ def test_the_wheel_installs_and_runs_the_quickstart_outside_the_clone(clone, tmp
         f.write("\n".join(sorted(suite_sites)) + "\n")
     work = tmp_path / "my_project"
     work.mkdir()
-    where = _run([python, "-c", "import keras_replicator; print(keras_replicator.__file__)"], cwd=str(work))
-    assert where.stdout.strip().startswith(site), where.stdout  # the wheel's copy, not the clone's
     quickstart = python_blocks("README.md")[0]
     assert "model.fit" in quickstart
-    (work / "quickstart.py").write_text(quickstart)
+    (work / "quickstart.py").write_text(quickstart + "\nprint('from', kr.__file__)\n")
     result = _run([python, "quickstart.py"], cwd=str(work))
     assert "loss" in result.stdout
-    info = _run([os.path.join(os.path.dirname(python), "keras-replicator"), "info"], cwd=str(work))
-    assert "keras_replicator" in info.stdout + info.stderr
+    assert f"from {site}{os.sep}keras_replicator" in result.stdout, result.stdout[-500:]  # the wheel's
+    command = _run([os.path.join(os.path.dirname(python), "keras-replicator"), "--help"], cwd=str(work))
+    assert "launch" in command.stdout  # the console script the wheel installs
