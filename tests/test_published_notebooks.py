@@ -116,11 +116,10 @@ def test_the_opening_states_what_this_run_got_as_its_outputs_print_it(path):
 
 
 def test_strip_paths_replaces_this_machines_folders():
+    import site
     import tempfile
 
     from tests.notebooks import strip_paths
-
-    import site
 
     text = (f"{site.getsitepackages()[0]}/keras/x.py:74: note\n"
             f"{os.path.join(ROOT, 'tutorials')} and {os.path.join(tempfile.gettempdir(), 'a')}\n")
