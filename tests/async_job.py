@@ -4,6 +4,7 @@ Every task runs the same command, with its own ``TF_CONFIG``::
 
     python tests/async_job.py fit    OUT_DIR   # fit/evaluate/predict/save, partitioned embedding
     python tests/async_job.py faults OUT_DIR   # long epochs: a test kills tasks meanwhile
+    python tests/async_job.py backup OUT_DIR   # 4 short epochs, a backup after each (kills in saves)
 
 On workers and parameter servers, creating the strategy serves until the chief
 ends (exit 0). The chief writes ``OUT_DIR/chief.json`` (and ``.npz``); the test
@@ -335,6 +336,57 @@ def faults_mode(strategy, out: str) -> dict:
     return report
 
 
+class RecordWeights(keras.callbacks.Callback):
+    """Writes the model's weights and update count to ``OUT_DIR/{name}{epoch}.npz``: at each
+    epoch's end (``name="epoch"``; placed before `BackupAndRestore`, so what its backup holds),
+    or at the start of training (``name="restored"``, after it: what it restored, as epoch -1)."""
+
+    def __init__(self, out: str, name: str):
+        super().__init__()
+        self.out, self.name = out, name
+
+    def _write(self, epoch: int) -> None:
+        arrays = {f"w{i}": np.asarray(w) for i, w in enumerate(self.model.get_weights())}
+        arrays["iterations"] = np.asarray(int(self.model.optimizer.iterations.numpy()))
+        np.savez(os.path.join(self.out, f"{self.name}{epoch}.npz"), **arrays)
+
+    def on_train_begin(self, logs=None):
+        if self.name == "restored":
+            self._write(-1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.name == "epoch":
+            self._write(epoch)
+
+
+def backup_mode(strategy, out: str) -> dict:
+    """4 epochs of 4 steps, backed up after each; a kill during a save comes from
+    ``KERAS_REPLICATOR_KILL_AT_SAVE`` (tests/test_async_crash_consistent_backups.py), or from
+    ``KR_TEST_TEAR_SAVE=n``: the chief SIGKILLs itself as the n-th save writes the optimizer's state."""
+    with strategy.scope():
+        model = build_model()
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")  # momentum: optimizer state
+        model.optimizer.build(model.trainable_variables)
+    tear = os.environ.get("KR_TEST_TEAR_SAVE")
+    if tear:  # SIGKILL in the middle of the n-th weights file, without keras_replicator's hook
+        original, calls = model.optimizer.save_own_variables, [0]
+
+        def save_own_variables(store):
+            calls[0] += 1
+            if calls[0] == int(tear):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(store)
+
+        model.optimizer.save_own_variables = save_own_variables
+    train = strategy.distribute_dataset(dataset_fn, per_replica_batch_size=16)
+    progress = Progress()
+    callbacks = [RecordWeights(out, "epoch"), keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
+                 RecordWeights(out, "restored"), progress]
+    history = model.fit(train, epochs=4, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+    return {"epochs_run": progress.epochs, "history": history.history,
+            "iterations": int(model.optimizer.iterations.numpy())}
+
+
 def die_at_hold(out: str) -> None:
     """On the task named by ``KR_TEST_DIE_TASK`` (``"worker 1"``, ``"ps 0"``, ``"chief 0"``; first
     start only): SIGKILLs itself when the chief holds, after creating the release file (the
@@ -368,7 +420,8 @@ def main() -> None:
         startup_timeout=120,
     )
     started = time.time()
-    report = {"fit": fit_mode, "faults": faults_mode, "partition": partition_mode}[mode](strategy, out)
+    modes = {"fit": fit_mode, "faults": faults_mode, "partition": partition_mode, "backup": backup_mode}
+    report = modes[mode](strategy, out)
     report["seconds"] = time.time() - started
     report["num_workers"], report["num_ps"] = strategy.num_workers, strategy.num_ps
     with open(os.path.join(out, "chief.json"), "w") as f:

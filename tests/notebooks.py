@@ -1,10 +1,16 @@
-"""Runs the tutorial notebooks in smoke mode: for the tests, and to publish them with outputs.
+"""Runs the tutorial notebooks: in smoke mode for the tests, and for real to publish them.
 
-`python -m tests.notebooks publish [NAME ...]` (`make notebooks`) executes each
-`tutorials/NN_*.ipynb` with `SMOKE=1` in a kernel of this interpreter and writes the
-executed notebook, outputs included, to `docs/tutorials/`, which the documentation
-site renders. The notebooks in `tutorials/` stay without outputs (a test checks).
-Nothing is hand-edited: the published outputs are those of that run.
+`python -m tests.notebooks publish [--smoke] [NAME ...]` (`make notebooks`) executes each
+`tutorials/NN_*.ipynb` in a kernel of this interpreter, without `SMOKE` (each tutorial's
+own run at the scale of this machine, on data available offline; `--smoke` for the tests'
+few-step run), and writes the executed notebook, outputs included, to `docs/tutorials/`,
+which the documentation site renders. The notebooks in `tutorials/` stay without outputs
+(a test checks). Nothing is hand-edited: the published outputs are those of that run, with
+this machine's paths replaced by placeholders (`strip_paths`).
+
+`python -m tests.notebooks refresh NAME ...` copies the text (Markdown) cells of the
+tutorials into their published copies without running them again, and refuses if any code
+cell's source changed: so a sentence can be fixed without a rerun.
 """
 
 from __future__ import annotations
@@ -19,14 +25,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
 PUBLISHED = os.path.join(ROOT, "docs", "tutorials")
-SMOKE_ENV = {
-    "SMOKE": "1",
+RUN_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "2",
     # Figures as inline PNG outputs, whatever MPLBACKEND the caller has.
     "MPLBACKEND": "module://matplotlib_inline.backend_inline",
     # Ray (tutorial 3) keeps every socket on 127.0.0.1.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
+SMOKE_ENV = {**RUN_ENV, "SMOKE": "1"}
 
 
 def _kernel(folder: str, env: dict) -> tuple[str, str]:
@@ -45,8 +51,8 @@ def _kernel(folder: str, env: dict) -> tuple[str, str]:
     return os.path.join(folder, "jupyter"), name
 
 
-def execute(path: str, *, env: dict | None = None, timeout: int = 900):
-    """Executes the notebook at `path` in smoke mode; returns it with its outputs.
+def execute(path: str, *, env: dict | None = None, timeout: int = 900, smoke: bool = True):
+    """Executes the notebook at `path` (in smoke mode unless `smoke=False`); returns it.
 
     Raises nbclient's `CellExecutionError` (with the cell and traceback) if a cell fails.
     """
@@ -56,7 +62,8 @@ def execute(path: str, *, env: dict | None = None, timeout: int = 900):
     nb = nbformat.read(path, as_version=4)
     saved = os.environ.get("JUPYTER_PATH")
     with tempfile.TemporaryDirectory() as tmp:
-        jupyter_path, kernel_name = _kernel(tmp, {**SMOKE_ENV, **(env or {})})
+        base = SMOKE_ENV if smoke else RUN_ENV
+        jupyter_path, kernel_name = _kernel(tmp, {**base, **(env or {})})
         os.environ["JUPYTER_PATH"] = jupyter_path
         try:
             client = NotebookClient(
@@ -125,31 +132,101 @@ def drop_runtime_log(nb) -> list[str]:
     return dropped
 
 
-def publish(names: list[str]) -> None:
-    import nbformat
+def machine_paths() -> dict[str, str]:
+    """This machine's folders that outputs may name, longest first, and what replaces them."""
+    import site
 
-    if os.path.islink(PUBLISHED):
-        raise SystemExit(f"{PUBLISHED} is a link: it must be a folder of its own, or the "
-                         "tutorials themselves would get the outputs")
+    places = {ROOT: ".", sys.prefix: "<python>", sys.base_prefix: "<python>",
+              tempfile.gettempdir(): "<tmp>", os.path.expanduser("~"): "~"}
+    places.update({p: "<site-packages>" for p in site.getsitepackages()})
+    places = {os.path.realpath(k): v for k, v in places.items() if k and k != os.sep} | places
+    return dict(sorted(places.items(), key=lambda kv: -len(kv[0])))
 
+
+def strip_paths(nb) -> int:
+    """Replaces this machine's paths (`machine_paths`) in `nb`'s outputs; returns how many."""
+    places = machine_paths()
+    count = 0
+
+    def strip(text: str) -> str:
+        nonlocal count
+        for path, placeholder in places.items():
+            count += text.count(path)
+            text = text.replace(path, placeholder)
+        return text
+
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                out["text"] = strip(out["text"])
+            if "traceback" in out:
+                out["traceback"] = [strip(line) for line in out["traceback"]]
+            data = out.get("data", {})
+            for kind in ("text/plain", "text/html", "text/markdown"):
+                if kind in data:
+                    data[kind] = strip(data[kind] if isinstance(data[kind], str) else "".join(data[kind]))
+    return count
+
+
+def _tutorials(names: list[str]) -> list[str]:
     paths = sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.ipynb")))
     if names:
         paths = [p for p in paths if any(n in os.path.basename(p) for n in names)]
         if not paths:
             raise SystemExit(f"no tutorial matches {names}")
+    return paths
+
+
+def publish(names: list[str], *, smoke: bool = False) -> None:
+    import time
+
+    import nbformat
+
+    if os.path.islink(PUBLISHED):
+        raise SystemExit(f"{PUBLISHED} is a link: it must be a folder of its own, or the "
+                         "tutorials themselves would get the outputs")
     os.makedirs(PUBLISHED, exist_ok=True)
-    for path in paths:
-        print(f"executing {os.path.relpath(path, ROOT)} (SMOKE=1) ...", flush=True)
-        nb = execute(path)
+    for path in _tutorials(names):
+        mode = "SMOKE=1" if smoke else "its own run"
+        print(f"executing {os.path.relpath(path, ROOT)} ({mode}) ...", flush=True)
+        started = time.monotonic()
+        nb = execute(path, smoke=smoke, timeout=3600)
+        seconds = time.monotonic() - started
         for line in drop_runtime_log(nb):
             print(f"  not published (TensorFlow runtime log): {line}", flush=True)
-        nb.metadata["keras_replicator"] = {"published_from": os.path.relpath(path, ROOT), "smoke": True}
+        print(f"  {strip_paths(nb)} machine path(s) replaced by placeholders", flush=True)
+        nb.metadata["keras_replicator"] = {
+            "published_from": os.path.relpath(path, ROOT), "smoke": smoke,
+            "run_seconds": round(seconds),
+        }
         out = os.path.join(PUBLISHED, os.path.basename(path))
         nbformat.write(nb, out)
-        print(f"wrote {os.path.relpath(out, ROOT)}", flush=True)
+        print(f"wrote {os.path.relpath(out, ROOT)} ({seconds:.0f} s)", flush=True)
+
+
+def refresh(names: list[str]) -> None:
+    """Copies the Markdown cells of tutorials/ into the published copies, code unchanged."""
+    import nbformat
+
+    for path in _tutorials(names):
+        out = os.path.join(PUBLISHED, os.path.basename(path))
+        source, shown = nbformat.read(path, as_version=4), nbformat.read(out, as_version=4)
+        kinds = [(c.cell_type, c.source if c.cell_type == "code" else None) for c in source.cells]
+        if kinds != [(c.cell_type, c.source if c.cell_type == "code" else None) for c in shown.cells]:
+            raise SystemExit(f"{os.path.basename(path)}: code cells changed, run `publish` instead")
+        for mine, theirs in zip(source.cells, shown.cells):
+            if mine.cell_type == "markdown":
+                theirs.source = mine.source
+        nbformat.write(shown, out)
+        print(f"refreshed the text of {os.path.relpath(out, ROOT)}", flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "publish":
-        raise SystemExit("usage: python -m tests.notebooks publish [NAME ...]")
-    publish(sys.argv[2:])
+    args = sys.argv[1:]
+    if args[:1] == ["publish"]:
+        publish([a for a in args[1:] if a != "--smoke"], smoke="--smoke" in args)
+    elif args[:1] == ["refresh"] and args[1:]:
+        refresh(args[1:])
+    else:
+        raise SystemExit("usage: python -m tests.notebooks publish [--smoke] [NAME ...]\n"
+                         "       python -m tests.notebooks refresh NAME ...")

@@ -25,4 +25,6 @@ def test_notebook_runs_in_smoke_mode(monkeypatch):
     assert "updates; the optimizer's learning rate now" in text
     assert "validation: top-1" in text
     assert "every replica holds the same weights" in text
-    assert len(notebooks.images(nb)) == 1  # the learning-rate schedule
+    for replica in range(4):  # the digits run, in smoke mode: 2 per replica, 16x16
+        assert f"replica {replica} on CPU:{replica}: images (2, 16, 16, 1) float32, labels (2, 10)" in text
+    assert len(notebooks.images(nb)) == 2  # the learning-rate schedule, the accuracy curve

@@ -21,4 +21,5 @@ def test_notebook_runs_in_smoke_mode(monkeypatch):
     assert "mock ImageNet step: 4 x (10, 128, 128, 3)" in text
     assert "imagenet128: generator" in text
     assert "FID (classifier features)" in text and "class accuracy of samples" in text
+    assert "before training: FID" in text and "after 60 updates: FID" in text
     assert len(notebooks.images(nb)) == 1  # the samples grid

@@ -5,14 +5,15 @@ Patches `ModelCheckpoint._save_model` and `BackupAndRestore._save_model`,
 `Model.save_weights` (keras.src.models.model; checked on Keras 3.15), and reads and
 sets `BackupAndRestore`'s private path attributes, `_current_epoch` and calls its
 `_load_model`. Acts only for keras_replicator's strategies (the chief-only writes
-with more than one worker). `PATCHES` are installed by `keras_replicator._compat.install()`
+with more than one worker; the committed backups under the synchronous ones and
+`AsyncReplicatorStrategy`). `PATCHES` are installed by `keras_replicator._compat.install()`
 (undone by `uninstall()`): callbacks run outside any strategy scope.
 
 Crash consistency (`keras_replicator.backup_commits`): Keras 3.15's `BackupAndRestore`
 writes ``latest.weights.h5`` and then ``training_metadata.json`` in place, so a kill
 during a save leaves a torn backup that every restart fails on. Under our strategies
-each backup is a new folder committed by a pointer written last (the previous one
-stays until then); `on_train_begin` restores the newest whole backup and skips the
+(`AsyncReplicatorStrategy` included) each backup is a new folder committed by a pointer
+written last (the previous one stays until then); `on_train_begin` restores the newest whole backup and skips the
 others with one warning (in a multi-worker job every worker restores the chief's
 choice). ``double_checkpoint=True`` keeps the two newest committed backups.
 `Model.save` and `save_weights` of a model built under our strategies (so also
@@ -45,7 +46,7 @@ from keras.src.models import model as keras_model
 
 from keras_replicator import atomic_files, backup_commits, resume
 from keras_replicator._compat import mid_epoch_resume
-from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours
+from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours, ours_async
 
 
 def _callback_strategy(callback):
@@ -239,9 +240,33 @@ def _committed_layout(callback) -> bool:
     return found
 
 
+# Under `AsyncReplicatorStrategy` too, backups are committed.
+#
+# Why: there callbacks run on the chief only, which reads the variables from the parameter
+# servers and writes Keras's files; in place, a kill (or a parameter server lost) during the save
+# would leave a torn backup that every restart fails on. So the chief writes each backup into a
+# new folder committed by its pointer, as under the synchronous strategies (without their
+# `data_state`: the asynchronous regime streams its data, it does not resume within it), and
+# restores the newest whole backup.
+
+
+def _async_save(backup, original_br_save):
+    """The chief's backup under `AsyncReplicatorStrategy`: committed, without a data state."""
+    return _commit_backup(backup, original_br_save, None)
+
+
+def _async_restore(backup) -> None:
+    """`on_train_begin` under `AsyncReplicatorStrategy`: the newest whole backup (the chief, the
+    only task that runs callbacks, chooses; the variables it loads are on the parameter servers)."""
+    backup._kr_committed_layout = True  # this fit's backups: committed
+    _restore(backup, None)
+
+
 def _br_save_model(original_br_save):
     def br_save_model(self):
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
+        if ours_async(strategy):
+            return _async_save(self, original_br_save)
         if not ours(strategy):
             if _committed_layout(self):
                 return _commit_backup(self, original_br_save, None)
@@ -325,6 +350,8 @@ def _br_on_train_begin(original_br_begin):
     def br_on_train_begin(self, logs=None):
         strategy = getattr(getattr(self, "model", None), "_distribute_strategy", None)
         self._kr_committed_layout = None  # looked up again for this fit
+        if ours_async(strategy):
+            return _async_restore(self)
         if not ours(strategy):
             if not _committed_layout(self):
                 return original_br_begin(self, logs)
