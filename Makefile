@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TF_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: demo test lint docs notebooks bench bench-quick bench-d4pg bench-sngan clean
+.PHONY: demo test lint docs notebooks bench bench-quick bench-d4pg bench-sngan bench-peers clean
 
 # A .venv made before the `cpu` extra installed `tensorflow` holds `tensorflow-cpu`: the same
 # package under another name, sharing its files. Both names are removed first, so that the
@@ -59,6 +59,18 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
 
+# Ours against stock MirroredStrategy and Keras on JAX (benchmarks/results/peers.md): Keras on JAX
+# runs from its own venv (ignored by git), with JAX and the same Keras version as .venv's.
+JAX_VENV := .venvs/jax
+$(JAX_VENV)/.installed-keras-%:
+	test -x $(JAX_VENV)/bin/python || $(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet "jax[cpu]" "keras==$*" numpy
+	touch $@
+
+bench-peers: $(STAMP)
+	$(MAKE) $(JAX_VENV)/.installed-keras-$$($(PY) -c "from importlib.metadata import version; print(version('keras'))")
+	$(PY) -m benchmarks.peers
+
 bench-d4pg: $(STAMP)
 	$(PY) -m benchmarks.d4pg
 
@@ -69,4 +81,4 @@ bench-sngan: $(STAMP)
 	$(PY) -m benchmarks.sngan_batch_size
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) .venvs site .pytest_cache

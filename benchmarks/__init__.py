@@ -40,5 +40,7 @@ Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_thro
 ``sngan_batch_size``, ``input_pipeline``, ``iterator_stall``, ``replica_work``, ``remat_memory``,
 ``model_parallel``, ``model_parallel_budget`` (each lever's memory per device, the largest model in
 1 GiB per device, step time paired against replicated), ``backup_soak`` (random SIGKILLs and restarts against the crash-consistent
-backups; what the commit costs).
+backups; what the commit costs), ``peers`` (with ``peers_worker``: ours against stock
+``MirroredStrategy`` and Keras on JAX, fresh processes, ``make bench-peers``), ``engine_steady``
+(the default engine's steady step paired against ``trace_once=False`` and one device).
 """

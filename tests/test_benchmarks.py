@@ -471,3 +471,47 @@ def test_xla_group_pairs_xla_on_and_off_and_shows_how_stock_fails():
     stock = plan.Config("xla", {"model": "cnn", "strategy": "stock", "devices": 4, "jit": True},
                         {"global_batch": 128}, errors=[error])
     assert results.collect([stock], plan.Settings.for_mode(False), {}, 0.0, 1.0)["failures"] == []
+
+
+@pytest.fixture(scope="module")
+def peers_run(tmp_path_factory):
+    """The peers section at tiny sizes, one round; no JAX interpreter (the suite makes no venv)."""
+    out = tmp_path_factory.mktemp("peers")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("KR_TEST_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peers", "--size", "tiny", "--rounds", "1",
+         "--devices", "1", "2", "--epochs", "1", "--workloads", "cnn", "lm_mp",
+         "--jax-python", str(out / "no-jax-venv" / "python"), "--output-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out / "peers.json") as f:
+        doc = json.load(f)
+    with open(out / "peers.md") as f:
+        table = f.read()
+    return doc, table
+
+
+def test_peers_section_runs_ours_and_stock_and_writes_its_table(peers_run):
+    doc, table = peers_run
+    rows = {(r["workload"], r["devices"], r["stack"]): r for r in doc["summary"]}
+    assert set(rows) == {("cnn", 1, "ours"), ("cnn", 1, "stock"), ("cnn", 2, "ours"),
+                         ("cnn", 2, "stock"), ("lm_mp", 2, "ours")}
+    for row in rows.values():
+        assert row["runs"] == 1 and not row["errors"], row
+        assert _positive(row["first_step_s"]) and _positive(row["steady_examples_per_s"])
+    for stack in ("ours", "stock"):  # each stack at 2 devices against its own at 1
+        assert math.isfinite(rows[("cnn", 2, stack)]["weights_max_difference"])
+    assert "jax: skipped, no JAX venv" in table and "jax" in doc["skipped"]
+    assert table.count("\n| cnn |") == 2 and "\n| lm_mp | 2 |" in table
+
+
+def test_peers_rounds_alternate_the_stacks():
+    from benchmarks.peers import runs_of_round
+
+    orders = [[r["stack"] for r in runs_of_round(i, ["ours", "stock", "jax"], ["cnn"], [4])]
+              for i in range(3)]
+    assert orders == [["ours", "stock", "jax"], ["stock", "jax", "ours"], ["jax", "ours", "stock"]]
+    model_parallel = runs_of_round(0, ["ours", "stock", "jax"], ["lm_mp"], [1, 2])
+    assert [(r["stack"], r["devices"]) for r in model_parallel] == [("ours", 2), ("jax", 2)]

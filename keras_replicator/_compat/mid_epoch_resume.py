@@ -17,13 +17,19 @@ the count when an epoch's iterator is made says which order that epoch reads. A 
 records it (`epoch_draw`); after a restart the first epoch's iterator is preceded by
 throwaway iterators up to that count (`keras_replicator.resume.advance_shuffles`), so
 that epoch e reads the uninterrupted run's order for epoch e, on any number of replicas.
+Only our strategies' epoch iterators are counted, through a weak reference (a reference
+cycle kept stock iterators alive until the collector's late drop, which joined their aged
+tf.data autotuning threads: docs/design.md, "Mixing stock and ours").
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import tensorflow as tf
+
+from keras_replicator._compat.patching import ours
 
 # The training epoch iterator of the `fit` running in this thread: the last one made
 # before the callbacks' on_train_begin (fit makes it first; evaluate's come later).
@@ -66,11 +72,18 @@ def _count_iterators(self) -> None:
     if "_kr_made" in self.__dict__:
         return
     self._kr_made = 0
-    get_iterator = self._get_iterator
+    # A weak reference and the class's function, not `self` and its bound method: the
+    # instance attribute would otherwise make the epoch iterator a reference cycle, kept
+    # (with its dataset iterator) until the cyclic collector runs; a stock strategy's
+    # iterator then ages its tf.data autotuning threads, and the late drop joins them
+    # (docs/design.md, "The stall at every epoch"): minutes at the process's exit.
+    reference = weakref.ref(self)
+    get_iterator = type(self)._get_iterator
 
     def counted_get_iterator():
-        self._kr_made += 1
-        return get_iterator()
+        iterator = reference()
+        iterator._kr_made += 1
+        return get_iterator(iterator)
 
     self._get_iterator = counted_get_iterator
 
@@ -148,6 +161,8 @@ def resume_from_mid_epoch(original):
     """
 
     def _enumerate_iterator(self):
+        if not ours(getattr(self, "_distribute_strategy", None)):  # stock strategies: Keras's own
+            return original(self)
         _count_iterators(self)
         pending = self.__dict__.pop("_kr_resume", None)
         if pending is not None:

@@ -1,0 +1,82 @@
+"""The default engine's steady step against ``trace_once=False`` and one device, paired in one process.
+
+``python -m benchmarks.engine_steady [--devices 4] [--model cnn] [--windows 9] [--steps 4]``
+
+Three models live in one process on ``--devices`` simulated CPU devices and take turns, one
+``fit`` window of ``--steps`` steps at a time, their order rotating: one device without a
+strategy, ``ReplicatorStrategy()`` (the default, the step traced once) and
+``ReplicatorStrategy(trace_once=False)`` (traced per replica). Prints one JSON line: the median
+seconds per step of each, the paired speed ratios (the median of the window-by-window ratios of
+windows measured seconds apart) and the load average. Every window is a new epoch over one
+cached dataset, as ``fit`` is called by users.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def measure(devices: int, model: str, windows: int, steps: int) -> dict:
+    import keras_replicator as kr
+
+    kr.simulate_devices(devices)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks.models import IMAGE_SIZE, NUM_CLASSES, build_model
+
+    batch = 64 if model == "resnet50" else 128
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * 4, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch * 4)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat()
+
+    def make(strategy):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            m = build_model(model)
+            m.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+
+    models = {"one": make(None), "default": make(kr.ReplicatorStrategy()),
+              "per_replica": make(kr.ReplicatorStrategy(trace_once=False))}
+    for m in models.values():  # warm-up: trace, compile, first steps
+        m.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    order = list(models)
+    for w in range(windows):
+        for k in order[w % 3:] + order[:w % 3]:
+            start = time.perf_counter()
+            models[k].fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+            times[k].append((time.perf_counter() - start) / steps)
+
+    def speed(a: str, b: str) -> float:
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=True))
+
+    return {"devices": devices, "model": model, "load_average": os.getloadavg(),
+            "median_s_per_step": {k: statistics.median(v) for k, v in times.items()},
+            "speed_default_over_per_replica": speed("default", "per_replica"),
+            "speed_default_over_one_device": speed("default", "one"),
+            "speed_per_replica_over_one_device": speed("per_replica", "one"),
+            "windows_s_per_step": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_steady", description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--model", default="cnn", choices=("cnn", "resnet50"))
+    parser.add_argument("--windows", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(args.devices, args.model, args.windows, args.steps)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
