@@ -93,6 +93,11 @@ FAMILIES = {
 }
 
 
+#: The families of the 2-worker job (one of each kind of layer that failed on empty slices,
+#: plus the cross-worker statistics of global batch norm and the add_loss mean).
+MULTI_WORKER_FAMILIES = ("dense", "conv_bn", "global_bn", "lstm", "add", "add_loss")
+
+
 def build(family: str) -> keras.Model:
     """The family's model (seeded), compiled; in the caller's scope."""
     keras.utils.set_random_seed(7)

@@ -67,3 +67,39 @@ def test_custom_loop_over_a_short_dataset_runs(strategy):
         sums = strategy.run(lambda b: tf.reduce_sum(b), args=(batch,))
         seen.append(float(strategy.reduce("SUM", sums, axis=None)))
     assert seen == [18.0]
+
+
+def _applications():
+    from keras_replicator.applications import d4pg, sngan
+
+    tiny = sngan.SNGANConfig(image_size=16, ch=8, z_dim=8, g_first=2, g_multipliers=(2, 1),
+                             d_multipliers=(1, 2), d_downsample=(True, False), channels=1)
+    rng = np.random.default_rng(0)
+    return {
+        "resnet50": (lambda: kr.applications.resnet(kr.applications.RESNET50_BLOCKS, num_classes=10,
+                                                    input_shape=(32, 32, 3), width=4),
+                     rng.normal(size=(1, 32, 32, 3)).astype("float32")),
+        "sngan_generator": (lambda: sngan.generator(tiny, 10),
+                            [rng.normal(size=(1, 8)).astype("float32"), np.array([3], "int32")]),
+        "sngan_discriminator": (lambda: sngan.discriminator(tiny, 10),
+                                [rng.normal(size=(1, 16, 16, 1)).astype("float32"), np.array([3], "int32")]),
+        "d4pg_policy": (lambda: d4pg.make_policy(5, [-1, -1], [1, 1]), rng.normal(size=(1, 5)).astype("float32")),
+        "d4pg_critic": (lambda: d4pg.make_critic(5, 2),
+                        [rng.normal(size=(1, 5)).astype("float32"), rng.normal(size=(1, 2)).astype("float32")]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_applications()))
+def test_predict_on_one_row_of_every_application_model_equals_one_device(strategy, name):
+    make, x = _applications()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keras.utils.set_random_seed(3)
+        reference = make()
+        want = reference.predict(x, verbose=0)
+    with strategy.scope():
+        model = make()
+    model.set_weights(reference.get_weights())
+    got = model.predict(x, verbose=0)
+    assert got.shape == want.shape and len(got) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

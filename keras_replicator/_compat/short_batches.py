@@ -64,6 +64,9 @@ PaddedBatch = collections.namedtuple("PaddedBatch", ["batch", "rows", "total"])
 #: sharding by file): the global total is the sum of every replica's ``rows``.
 LocalPaddedBatch = collections.namedtuple("LocalPaddedBatch", ["batch", "rows", "total"])
 
+#: False: Keras's batches re-cut and split without row counts, as before (to measure the difference).
+enabled = True
+
 _distributing: contextvars.ContextVar[bool] = contextvars.ContextVar("kr_keras_distributing", default=False)
 _predicting: contextvars.ContextVar[bool] = contextvars.ContextVar("kr_predicting", default=False)
 _local = threading.local()
@@ -81,7 +84,7 @@ def keras_distributing() -> Iterator[None]:
 
 def wanted() -> bool:
     """Whether the dataset being distributed is Keras's (its slices are wrapped)."""
-    return _distributing.get()
+    return enabled and _distributing.get()
 
 
 @contextlib.contextmanager
