@@ -60,7 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator import input_pipeline, resume
-from keras_replicator._compat import host_iterator, tf_data
+from keras_replicator._compat import host_iterator, short_batches, tf_data
 from keras_replicator._validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -332,6 +332,8 @@ class _KerasInputFn:
     """The input_fn for a dataset Keras batched (``experimental_distribute_dataset``)."""
 
     dataset: tf.data.Dataset
+    #: Keras's epoch iterator distributes it: slices with their real rows (`_compat.short_batches`).
+    pad: bool = False
 
     def plan(self, input_context: tf.distribute.InputContext) -> input_pipeline.Plan:
         _check_context(input_context)
@@ -353,10 +355,17 @@ class _KerasInputFn:
             batched=True,
             from_fn=False,
             drop=False,
+            pad=self.pad and not _divides(self.dataset.element_spec, int(input_context.num_replicas_in_sync)),
         )
 
     def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         return input_pipeline.build(self.plan(input_context))
+
+
+def _divides(element_spec, num_replicas: int) -> bool:
+    """Every batch's rows divide evenly among the replicas (a static batch size that is a multiple)."""
+    size = _static_batch(element_spec)
+    return size is not None and size > 0 and size % num_replicas == 0
 
 
 def make_input_fn(
@@ -580,4 +589,5 @@ def distribute_batched_dataset(
     if _policy_from_options(dataset) is None:
         return None
     _check_options(options)
-    return _distribute(strategy, _KerasInputFn(dataset), options)
+    pad = short_batches.wanted() and getattr(strategy, "_keras_replicator", False)
+    return _distribute(strategy, _KerasInputFn(dataset, pad=pad), options)

@@ -11,8 +11,10 @@ its batches), as optax chains its transformations:
 2. `shuffle`: examples, before batching;
 3. `batch`: batch, re-batch, or keep the source's batches (dropping short ones);
 4. `check_components`: batches of dense or ragged tensors with a batch dimension;
-5. `recut_tail`: no replica left empty by a short last batch;
-6. `split`: each batch into per-replica slices, this pipeline's only;
+5. `recut_tail`: no replica left empty by a short last batch (not when padding);
+6. `split`: each batch into per-replica slices, this pipeline's only (with `Plan.pad`:
+   each slice with its count of real rows, an empty one given a padding row:
+   `_compat.short_batches`);
 7. `assert_cardinality`: the number of elements, when it is known;
 8. `finish`: deterministic order unless chosen otherwise, prefetching.
 
@@ -26,7 +28,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_replicator._compat import tf_data
+from keras_replicator._compat import short_batches, tf_data
 
 __all__ = ["STEPS", "Plan", "Stream", "build"]
 
@@ -56,6 +58,8 @@ class Plan:
     shuffle_buffer_size: int | None = None
     #: The seed of this pipeline's shuffle, already derived for it.
     shuffle_seed: int | None = None
+    #: Slices as `short_batches.PaddedBatch` (Keras's batches, as they come: no re-cut).
+    pad: bool = False
 
     @property
     def local_replicas(self) -> int:
@@ -226,7 +230,7 @@ def check_components(stream: Stream, plan: Plan) -> Stream:
 def recut_tail(stream: Stream, plan: Plan) -> Stream:
     """No empty replica: a short last batch is merged with the one before and cut again."""
     count = int(stream.dataset.cardinality())
-    if plan.infinite or plan.drop or not _recuttable(stream.dataset.element_spec):
+    if plan.pad or plan.infinite or plan.drop or not _recuttable(stream.dataset.element_spec):
         return dataclasses.replace(stream, count=count)
     threshold = plan.slices
     dataset = _recut(stream.dataset, threshold)
@@ -246,6 +250,10 @@ def split(stream: Stream, plan: Plan) -> Stream:
     predict (_multi_worker_concat) reassembles in order.
     """
     first, step = (plan.index, plan.pipelines) if plan.slice_level else (0, 1)
+    if plan.pad:
+        wrapper = short_batches.PaddedBatch if plan.pipelines == 1 or plan.slice_level else (
+            short_batches.LocalPaddedBatch)
+        return dataclasses.replace(stream, dataset=_split_padded(stream.dataset, plan.slices, first, step, wrapper))
     per_replica = None if plan.global_batch is None else plan.global_batch // plan.num_replicas
     static_rows = per_replica if (plan.drop and stream.uniform) else None
     return dataclasses.replace(stream, dataset=_split(stream.dataset, plan.slices, first, step, static_rows))
@@ -394,3 +402,27 @@ def _split(batches: tf.data.Dataset, num_slices: int, first: int, step: int, sta
         return tf.data.Dataset.range(first, num_slices, step).map(one)
 
     return tf.data.Dataset.zip((batches,)).flat_map(slices)  # zip: the batch arrives whole
+
+
+def _split_padded(batches: tf.data.Dataset, num_slices: int, first: int, step: int, wrapper):
+    """As `_split`, each slice as ``wrapper(slice, real rows, batch rows)``.
+
+    A slice that would be empty (a batch of fewer rows than ``num_slices``) is one
+    padding row instead, a copy of the batch's last row, with 0 real rows.
+    """
+    num = tf.constant(num_slices, tf.int64)
+
+    def slices(batch):
+        n = _rows(batch)
+        q, rem = n // num, n % num
+
+        def one(j):
+            size = q + tf.cast(j < rem, tf.int64)
+            start = tf.where(size > 0, j * q + tf.minimum(j, rem), n - 1)
+            length = tf.maximum(size, 1)
+            piece = _map_leaves(lambda t: t[start : start + length], batch)
+            return wrapper(piece, tf.cast(size, tf.int32), tf.cast(n, tf.int32))
+
+        return tf.data.Dataset.range(first, num_slices, step).map(one)
+
+    return tf.data.Dataset.zip((batches,)).flat_map(slices)

@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator import _announce, _compat, cluster, data
-from keras_replicator._compat import engines, keras_trainer, preemption, tf_logging
+from keras_replicator._compat import engines, keras_trainer, preemption, short_batches, tf_logging
 from keras_replicator._validation import (
     ArgumentError,
     check_bool,
@@ -477,6 +477,21 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             ```
         """
         return _ScopeWithPatches(super().scope())
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs ``fn`` on every replica, as `tf.distribute.Strategy.run`.
+
+        The batches `fit`, `evaluate` and `predict` read carry each replica's count of
+        real rows; ``fn`` gets the plain batch (see `keras_replicator._compat.short_batches`).
+
+        Example:
+            ```python
+            sums = strategy.run(lambda: tf.constant(1.0))
+            print(strategy.reduce("SUM", sums, axis=None).numpy())   # one per replica
+            ```
+        """
+        fn, args, kwargs = short_batches.unwrap(self, fn, args, kwargs)
+        return super().run(fn, args, kwargs, options)
 
     def __repr__(self) -> str:
         if self.num_workers > 1:

@@ -4,6 +4,7 @@ Usage (every worker runs the same command, as ``keras-replicator launch`` does):
 
     python tests/multi_worker_job.py check  OUT_DIR [--exactly-once]
     python tests/multi_worker_job.py resume OUT_DIR [--wait-after-epoch E]
+    python tests/multi_worker_job.py short  OUT_DIR
 
 Each worker writes what it saw to ``OUT_DIR/worker{i}.json`` / ``.npz``; the test
 compares the workers with each other and with a one-device reference computed
@@ -13,6 +14,7 @@ dropout masks,
 and (``--exactly-once``) the data helper's exactly-once check. ``resume``: a
 job with BackupAndRestore that a test kills (the worker given
 ``--wait-after-epoch`` waits after that epoch to be killed) and then restarts.
+``short``: the short-batch matrix (tests/test_short_batches_multi_worker.py).
 """
 
 from __future__ import annotations
@@ -197,6 +199,28 @@ def _write(out_dir: str, report: dict, model: keras.Model, **arrays) -> None:
     print("wrote", name, f"(this worker used {time.process_time():.0f} s of CPU)", flush=True)
 
 
+def short_batches(out: str) -> None:
+    """The short-batch matrix (tests/short_batches_cases.py) on this cluster; arrays per worker."""
+    import warnings
+
+    from tests import short_batches_cases as cases
+
+    arrays = {}
+    for family in cases.MULTI_WORKER_FAMILIES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-device model: its initial weights only
+            initial = cases.build(family).get_weights()
+        with strategy.scope():
+            model = cases.build(family)
+        for rows, batch_size in cases.ROWS:
+            got = cases.run_case(model, family, rows, batch_size, initial)
+            for field, value in got.items():
+                for i, v in enumerate(value if field == "weights" else [value]):
+                    arrays[f"{family}/{rows}/{field}/{i}"] = np.asarray(v)
+    np.savez(os.path.join(out, f"short{strategy.worker_index}.npz"), **arrays)
+    print("wrote short batches", strategy.worker_index, flush=True)
+
+
 if __name__ == "__main__":
     # Before any tensor: the strategy joins the cluster that TF_CONFIG describes.
     strategy = kr.ReplicatorStrategy(
@@ -206,6 +230,8 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "check":
         check(out, exactly_once="--exactly-once" in sys.argv)
+    elif mode == "short":
+        short_batches(out)
     elif mode == "resume":
         wait = int(sys.argv[sys.argv.index("--wait-after-epoch") + 1]) if "--wait-after-epoch" in sys.argv else None
         resume(out, wait if wait is not None and strategy.worker_index == 1 else None)

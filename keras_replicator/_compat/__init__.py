@@ -37,6 +37,7 @@ installed version is outside the range a module was checked on.
 | `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.15 |
 | `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.15, TF 2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
+| `short_batches` | `BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`, `reduction_metrics.Mean`/`Sum.update_state`; the elements of datasets Keras's epoch iterator distributes | installed patches acting only inside a step run from a `PaddedBatch` (`ReplicatorStrategy.run`): a replica's loss weighted by its real rows, a padding replica's metric updates weigh 0 | Keras 3.15 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
 object (nothing is patched when a module is imported), grouped in a
@@ -100,6 +101,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
     "exhausted_step": ("keras", "3.15", "3.15"),
     "effects_before_fetch": ("tensorflow", "2.21", "2.21"),
+    "short_batches": ("keras", "3.15", "3.15"),
 }
 
 
@@ -152,6 +154,7 @@ def _permanent():
         multi_device_iterator,
         patching,
         sharded_checkpoints,
+        short_batches,
         tape_gradient_device,
     )
 
@@ -177,6 +180,8 @@ def _permanent():
         *exhausted_step.PATCHES,
         # Sharded variables and their slots checkpointed whole (Keras files, tf.train.Checkpoint).
         *sharded_checkpoints.PATCHES,
+        # Batches with fewer rows than replicas: padding rows weigh nothing.
+        *short_batches.PATCHES,
     ])
 
 

@@ -43,7 +43,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-from keras_replicator._compat import mid_epoch_resume, parameter_server
+from keras_replicator._compat import mid_epoch_resume, parameter_server, short_batches
 from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours, ours_async
 
 __all__ = ["PATCHES", "multi_worker", "ours", "register_strategy"]
@@ -80,7 +80,7 @@ def _replica_element_spec(epoch_iterator):
     def first(v):
         return v._value_specs[0] if isinstance(v, values.PerReplicaSpec) else v
 
-    spec = tf.nest.map_structure(first, spec)
+    spec = short_batches.unwrap_spec(tf.nest.map_structure(first, spec))
     if not all(isinstance(v, tf.TensorSpec) for v in tf.nest.flatten(spec)):
         return None  # ragged, sparse, optional: read a batch as before
     return spec
@@ -157,7 +157,8 @@ def _symbolic_build_from_first_replica(original):
 
                 for _, _, it in iterator:
                     batch = next(it)
-                    data_batch = tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch)
+                    data_batch = short_batches.unwrap_spec(
+                        tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch))
                     break
             # Nothing left to build from data (a later fit, evaluate): no batch is read.
             self._symbolic_build(data_batch=data_batch)
@@ -230,7 +231,8 @@ def _refuse_infinite_epochs(original):
                 "model.evaluate(..., steps=N) or model.predict(..., steps=N); "
                 "or make the dataset finite (remove .repeat())."
             )
-        original(self, distribute_strategy, *args, **kwargs)
+        with short_batches.keras_distributing():
+            original(self, distribute_strategy, *args, **kwargs)
         if ours(distribute_strategy):
             mid_epoch_resume.current.iterator = weakref.ref(self)
 
@@ -358,7 +360,7 @@ def _entry_point(name):
                 _check_validation_data(kwargs)
                 args, kwargs, watching = _with_preemption_check(strategy, args, kwargs)
             try:
-                with watching:
+                with watching, short_batches.predicting(name == "predict"):
                     return method(self, *args, **kwargs)
             except tf.errors.OpError as e:
                 lost = strategy.extended.lost_worker_error(e) if multi_worker(strategy) else None

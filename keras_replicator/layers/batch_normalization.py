@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator import collectives
+from keras_replicator._compat import short_batches
 from keras_replicator._validation import check_bool, check_int, check_number
 from keras_replicator.layers.batch_norm_ops import (
     _affine_normalize,
@@ -258,6 +259,8 @@ class GlobalBatchNormalization(keras.layers.Layer):
         gamma = tf.ones([channels], dtype) if gamma is None else tf.cast(gamma, dtype)
         beta = tf.zeros([channels], dtype) if beta is None else tf.cast(beta, dtype)
         training = training and self.trainable
+        if training and mask is None:
+            mask = short_batches.padding_mask(x, self._axis)  # a padding replica's row counts nothing
         if training and mask is None:
             outputs, new_mean, new_variance = _train_normalize(
                 x, gamma, beta, self._axis, self.group_size, self.epsilon
