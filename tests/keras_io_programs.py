@@ -13,7 +13,8 @@ patterns, as keras-io writes them:
   `compute_loss` combining two `keras.losses` objects (`knowledge_distillation`);
 * `vae`: a variational autoencoder with its own `train_step`, the
   KL term added by its sampling layer, the reconstruction loss from
-  `self.compute_loss` (keras-io's `vae`, its losses through Keras);
+  `self.compute_loss` (keras-io's `vae`, its losses through Keras; its
+  sampling noise comes with the data);
 * `multi_io`: a model of several inputs and outputs with dict losses and
   `loss_weights` (keras-io's functional API guide, the ticket classifier).
 
@@ -177,17 +178,17 @@ def distillation(strategy) -> dict:
 
 
 class Sampling(layers.Layer):
-    """Uses (z_mean, z_log_var) to sample z; adds the KL divergence, a mean over the batch."""
+    """Uses (z_mean, z_log_var) to sample z; adds the KL divergence, a mean over the batch.
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.seed_generator = keras.random.SeedGenerator(1337)
+    The noise comes with the data: replicas draw their own random numbers, which one
+    device draws for the whole batch differently (docs/index.md), and this program
+    checks the losses.
+    """
 
     def call(self, inputs):
-        z_mean, z_log_var = inputs
+        z_mean, z_log_var, epsilon = inputs
         kl_loss = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
         self.add_loss(ops.mean(ops.sum(kl_loss, axis=1)))
-        epsilon = keras.random.normal(shape=ops.shape(z_mean), seed=self.seed_generator)
         return z_mean + ops.exp(0.5 * z_log_var) * epsilon
 
 
@@ -210,10 +211,11 @@ class VAE(keras.Model):
         return self.decoder(self.encoder(data)[2])
 
     def train_step(self, data):
+        data, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             z_mean, z_log_var, z = self.encoder(data)
             reconstruction = self.decoder(z)
-            total_loss = self.compute_loss(x=data, y=data, y_pred=reconstruction)
+            total_loss = self.compute_loss(x=data, y=data["images"], y_pred=reconstruction)
         grads = tape.gradient(total_loss, self.trainable_weights)
         self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
         self.total_loss_tracker.update_state(total_loss)
@@ -222,15 +224,17 @@ class VAE(keras.Model):
 
 def vae(strategy) -> dict:
     rng = np.random.default_rng(4)
-    data = (rng.uniform(size=(64, 6, 1)) < 0.3).astype("float32")  # 4 batches of 16: equal shares
+    data = {"images": (rng.uniform(size=(64, 6, 1)) < 0.3).astype("float32"),  # 4 batches of 16
+            "noise": rng.standard_normal((64, 2)).astype("float32")}
     keras.utils.set_random_seed(0)
     with _scope(strategy):
-        encoder_inputs = keras.Input(shape=(6, 1))
-        x = layers.Flatten()(encoder_inputs)
+        encoder_inputs = {"images": keras.Input(shape=(6, 1), name="images"),
+                          "noise": keras.Input(shape=(2,), name="noise")}
+        x = layers.Flatten()(encoder_inputs["images"])
         x = layers.Dense(8, activation="relu")(x)
         z_mean = layers.Dense(2, name="z_mean")(x)
         z_log_var = layers.Dense(2, name="z_log_var")(x)
-        z = Sampling()([z_mean, z_log_var])
+        z = Sampling()([z_mean, z_log_var, encoder_inputs["noise"]])
         encoder = keras.Model(encoder_inputs, [z_mean, z_log_var, z], name="encoder")
         latent_inputs = keras.Input(shape=(2,))
         x = layers.Dense(8, activation="relu")(latent_inputs)

@@ -3,7 +3,7 @@
 Usage::
 
     python tests/loss_forms_job.py one OUT.json        # one device, no strategy (the reference)
-    python tests/loss_forms_job.py stock OUT.json      # stock tf.distribute.MirroredStrategy, 4 CPU devices
+    python tests/loss_forms_job.py stock OUT.json sgd  # stock tf.distribute.MirroredStrategy, 4 CPU devices
     python tests/loss_forms_job.py workers OUT_DIR     # each of 2 launched workers x 2 devices
 
 Each cell trains a small regression (or, for `class_weight`, a classification)
@@ -227,7 +227,7 @@ def train_cells(strategy=None, forms=FORMS, optimizers=OPTIMIZERS) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    mode, out = argv
+    mode, out, *optimizers = argv
     if mode == "one":
         with open(out, "w") as f:
             json.dump(train_cells(), f)
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> None:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
         strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
         with open(out, "w") as f:
-            json.dump(train_cells(strategy), f)
+            json.dump(train_cells(strategy, optimizers=optimizers or OPTIMIZERS), f)
         return
     import keras_replicator as kr
 
