@@ -16,6 +16,7 @@ installed version is outside the range a module was checked on.
 | `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
+| `keras_losses` | `TensorFlowTrainer.train_step` / `test_step` (the default steps), `Trainer._compute_loss` / `compute_loss` (the base methods), `TensorFlowTrainer._aggregate_additional_loss`, `keras.src.losses.loss.reduce_values` / `unscale_loss_for_distribution` | installed patch, ours only: every loss term one device's value on the replica's rows, the total's gradient multiplied by the replica's share of the batch (a scalar loss function, a loss object in `add_loss`, per-sample `add_loss`, `mean_with_sample_weight`, unequal shares) | Keras 3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; each backup a new folder committed by a pointer written last, the newest whole one restored: `keras_replicator.backup_commits`; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`), `Model.save` / `save_weights` (a temporary file renamed over the target: `keras_replicator.atomic_files`) | installed patch, ours only (committed backups: `AsyncReplicatorStrategy` too) | Keras 3.15 |
 | `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
@@ -80,6 +81,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "host_iterator": ("tensorflow", "2.21", "2.21"),
     "tf_data": ("tensorflow", "2.16", "2.21"),
     "keras_trainer": ("keras", "3.15", "3.15"),
+    "keras_losses": ("keras", "3.15", "3.15"),
     "keras_checkpointing": ("keras", "3.15", "3.15"),
     "keras_xla": ("keras", "3.15", "3.15"),
     "preemption": ("tensorflow", "2.21", "2.21"),
@@ -147,6 +149,7 @@ def _permanent():
         keras_checkpointing,
         keras_fsdp,
         keras_layouts,
+        keras_losses,
         keras_optimizer,
         keras_sharded_optimizer,
         keras_trainer,
@@ -160,6 +163,8 @@ def _permanent():
 
     return patching.Patches([
         *keras_trainer.PATCHES,
+        # Every loss form Keras accepts: one device's terms, the total's gradient per replica share.
+        *keras_losses.PATCHES,
         *keras_xla.PATCHES,
         *keras_checkpointing.PATCHES,
         *keras_optimizer.PATCHES,

@@ -1,0 +1,286 @@
+"""Every loss Keras accepts on one device trains under our strategies as there.
+
+What it patches (Keras 3.15, TensorFlow backend; installed patches acting only
+for keras_replicator's strategies, in a replica context of more than one
+replica): `TensorFlowTrainer.train_step` / `test_step` (the default steps, not
+a model's own), `Trainer._compute_loss` / `Trainer.compute_loss` (the base
+methods), `keras.src.losses.loss.reduce_values`,
+`keras.src.losses.loss.unscale_loss_for_distribution`, and
+`TensorFlowTrainer._aggregate_additional_loss`.
+
+Why: Keras's TensorFlow trainer gets the replicas' share of the loss by
+scaling at the leaves. `reduce_values` multiplies a `keras.losses` object's
+mean by `1 / num_replicas` (`scale_loss_for_distribution`),
+`_aggregate_additional_loss` multiplies every `add_loss` term by it, and the
+default steps multiply the loss by `num_replicas` again before logging it
+(`unscale_loss_for_distribution`; the per-output losses of a model with
+several are logged the same way, each replica's value counting once). That is right only for a loss that Keras
+reduces itself, as a mean, over equal shares:
+
+* a loss function that returns a scalar (`ops.mean(...)`: every contrastive
+  loss) is left unscaled, and the replicas' gradients are summed: N times too
+  strong, logged N times too large;
+* `add_loss(keras.losses.X()(y, p))` is scaled twice: N times too weak;
+* `add_loss` of a per-sample tensor (one device sums it) is scaled as if it
+  were a mean: N times too weak;
+* a custom `compute_loss` that reduces with `ops.mean` is N times too strong;
+* `reduction="mean_with_sample_weight"` divides by each replica's own sum of
+  weights (wrong when the replicas' weights differ: `class_weight`, any
+  `sample_weight`), and a short batch split unequally weighs its replicas'
+  means equally.
+
+What we do instead, one device's semantics: inside the default step (its
+forward pass included) and inside `compute_loss`, every loss term is what one
+device would compute on the replica's rows: a `keras.losses` object's mean
+over the replica's rows; its `"sum"` reduction and an `add_loss` of per-sample
+values, the replica's sum divided by its share of the global batch (an
+estimate of the global sum); `"mean_with_sample_weight"`, the replica's sum
+over the global sum of weights (an all-reduce), divided by the share; a scalar
+`add_loss` (a mean over the batch, an activity regularizer, which Keras
+divides by the batch size, or a term of the weights) as it is. The total the
+root `compute_loss` returns keeps that value (what the step logs, as one
+device does: each replica's value weighted by its rows), and its gradient is
+multiplied by the replica's share `rows / global rows` (an all-reduce of the
+row count; in an XLA-compiled step, where no collective can run, `1 / N`): the
+summed gradients are one device's, for equal and unequal shares.
+
+Not covered (they keep Keras's scaling): a loss object called in a model's own
+`train_step` outside `compute_loss` (keras-io's GANs: right for equal shares)
+and a `train_step` that reduces its loss by hand and applies the gradients
+itself (it must scale its loss by the global batch, as in a TensorFlow custom
+loop: `tf.nn.compute_average_loss`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import tensorflow as tf
+from keras import ops
+from keras.src import tree
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import trainer as base_trainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_replicator._compat.patching import ScopedPatch, ours
+
+_state = threading.local()
+
+
+class _Step:
+    """One replica's step: its rows (a tensor, and statically if known) and its share of the batch."""
+
+    def __init__(self, rows, static_rows, share, compiled: bool):
+        self.rows, self.static_rows, self.share, self.compiled = rows, static_rows, share, compiled
+
+
+def _current() -> _Step | None:
+    return getattr(_state, "step", None)
+
+
+def _replica_context():
+    """The replica context of one of our strategies' steps over more than one replica, else None."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync < 2 or not ours(tf.distribute.get_strategy()):
+        return None
+    return ctx
+
+
+def _compiled() -> bool:
+    """Whether we trace inside an XLA-compiled replica function (no collective can run there)."""
+    from keras_replicator._compat import keras_xla
+
+    return getattr(keras_xla._tracing, "deferred", None) is not None
+
+
+def _first_rows(*structures):
+    for structure in structures:
+        for leaf in tree.flatten(structure):
+            if leaf is not None and hasattr(leaf, "shape") and len(leaf.shape) > 0:
+                return tf.shape(leaf)[0], leaf.shape[0]
+    return None, None
+
+
+def _make_step(ctx, *structures) -> _Step:
+    """The replica's rows (the first tensor of `structures` with a batch axis) and its share."""
+    rows, static_rows = _first_rows(*structures)
+    compiled = _compiled()
+    n = ctx.num_replicas_in_sync
+    if rows is None:
+        return _Step(None, None, tf.constant(1.0 / n), compiled)
+    rows = tf.cast(rows, tf.float32)
+    total = rows * n if compiled else ctx.all_reduce(tf.distribute.ReduceOp.SUM, rows)
+    share = tf.stop_gradient(tf.math.divide_no_nan(rows, total))
+    return _Step(rows, static_rows, share, compiled)
+
+
+class _Region:
+    """Sets the thread's current step (and the depth of nested `compute_loss` calls) for a block."""
+
+    def __init__(self, step: _Step | None, depth: int):
+        self.step, self.depth = step, depth
+
+    def __enter__(self):
+        self.saved = (_current(), getattr(_state, "depth", 0))
+        _state.step, _state.depth = self.step, self.depth
+
+    def __exit__(self, *exc):
+        _state.step, _state.depth = self.saved
+
+
+def _scale_gradient(value, share):
+    """`value` itself, whose gradient is multiplied by `share`."""
+
+    @tf.custom_gradient
+    def scaled(v):
+        def grad(dy):
+            return dy * tf.cast(share, dy.dtype)
+
+        return tf.identity(v), grad
+
+    return scaled(value)
+
+
+def _default_step(original):
+    """`TensorFlowTrainer.train_step` / `test_step` (Keras's own, not a model's override).
+
+    The whole step, its forward pass included, computes every loss term as one
+    device would on the replica's rows (see the module docstring).
+    """
+
+    @functools.wraps(original)
+    def step(self, data):
+        ctx = _replica_context()
+        if ctx is None or _current() is not None:
+            return original(self, data)
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with _Region(_make_step(ctx, x, data), 0):
+            return original(self, data)
+
+    return step
+
+
+_COMPUTE_LOSS_ARGS = ("x", "y", "y_pred", "sample_weight")
+
+
+def _root(original):
+    """`Trainer._compute_loss` / `Trainer.compute_loss`: the outermost call is the loss's root.
+
+    Its terms are one device's values on the replica's rows; the total keeps
+    that value and its gradient is multiplied by the replica's share of the batch.
+    """
+
+    @functools.wraps(original)
+    def compute_loss(self, *args, **kwargs):
+        ctx = _replica_context()
+        if ctx is None or getattr(_state, "depth", 0) > 0:
+            return original(self, *args, **kwargs)
+        given = dict(zip(_COMPUTE_LOSS_ARGS, args))
+        given.update({k: v for k, v in kwargs.items() if k in _COMPUTE_LOSS_ARGS})
+        step = _current() or _make_step(ctx, given.get("x"), given.get("y_pred"), given.get("y"))
+        with _Region(step, 1):
+            total = original(self, *args, **kwargs)
+        if total is None or len(total.shape) > 0:
+            # Per-sample values (reduction="none"): their gradient is the sum of the rows.
+            return total
+        result = _scale_gradient(total, step.share)
+        _state.returned = result
+        return result
+
+    return compute_loss
+
+
+def _global_sum(value, step: _Step):
+    ctx = tf.distribute.get_replica_context()
+    if step.compiled or ctx is None:
+        return None
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def _one_device_reduce_values(original):
+    """`loss.reduce_values`: in a step, the value one device computes on the replica's rows."""
+
+    @functools.wraps(original)
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        step = _current()
+        if step is None or _replica_context() is None:
+            return original(values, sample_weight, reduction)
+        if reduction is None or reduction == "none" or tuple(values.shape) in ((), (0,)):
+            return values
+        loss = ops.sum(values)
+        if reduction == "sum":
+            return tf.math.divide_no_nan(loss, tf.cast(step.share, loss.dtype))
+        if reduction == "mean_with_sample_weight" and sample_weight is not None:
+            weights = ops.cast(ops.sum(sample_weight), loss.dtype)
+            total = _global_sum(weights, step)
+            divisor = weights if total is None else total * tf.cast(step.share, loss.dtype)
+        else:
+            divisor = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")),
+                               loss.dtype)
+        return ops.divide_no_nan(loss, divisor)
+
+    return reduce_values
+
+
+def _per_row(loss, step: _Step) -> bool:
+    """Whether a non-scalar `add_loss` term has one value per row of the batch (else: of the weights)."""
+    first = loss.shape[0]
+    return first is None or first == step.static_rows
+
+
+def _one_device_additional_loss(original):
+    """`TensorFlowTrainer._aggregate_additional_loss`: an `add_loss` term as one device counts it.
+
+    Keras's own sum of the term, unscaled; a term of per-sample values (one device
+    sums its rows) divided by the replica's share: an estimate of the global sum.
+    """
+
+    @functools.wraps(original)
+    def aggregate(self, loss):
+        step = _current()
+        if step is None or _replica_context() is None:
+            return original(self, loss)
+        total = base_trainer.Trainer._aggregate_additional_loss(self, loss)  # cast, summed
+        if len(loss.shape) > 0 and _per_row(loss, step):
+            total = tf.math.divide_no_nan(total, tf.cast(step.share, total.dtype))
+        return total
+
+    return aggregate
+
+
+def _unscale(original):
+    """`loss.unscale_loss_for_distribution`: our roots' totals are logged as they are."""
+
+    @functools.wraps(original)
+    def unscale(value):
+        ctx = _replica_context()
+        if ctx is None:
+            return original(value)
+        if value is getattr(_state, "returned", None):
+            return value
+        step = _current()
+        if step is None:
+            return original(value)
+        if step.static_rows is None and step.rows is not None:
+            # A per-output loss's `Mean`, weighted by a static batch size that is not
+            # known: each replica's value counts once. One device counts the step's
+            # value once: each replica's value, times its share of the batch, N times.
+            n = ctx.num_replicas_in_sync
+            return value * tf.cast(step.share * n, value.dtype)
+        return value
+
+    return unscale
+
+
+# Installed by keras_replicator._compat.install(), undone by uninstall().
+PATCHES = (
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "train_step", _default_step),
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "test_step", _default_step),
+    ScopedPatch(base_trainer.Trainer, "_compute_loss", _root),
+    ScopedPatch(base_trainer.Trainer, "compute_loss", _root),
+    ScopedPatch(loss_module, "reduce_values", _one_device_reduce_values),
+    ScopedPatch(loss_module, "unscale_loss_for_distribution", _unscale),
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "_aggregate_additional_loss", _one_device_additional_loss),
+)
