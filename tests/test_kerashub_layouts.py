@@ -11,10 +11,12 @@ variable the map lays out lives 1/k (and 1/M over the data axis) per device, tra
 backbone and tie (`reference`).
 
 Through `kr.ReplicatorStrategy(layout_map=...)`: every backbone but Llama 3 (the
-same network as Llama) x tie x mesh. Through
+same network as Llama, its subclass) x tie x mesh, 18 cells. Through
 `keras.distribution.set_distribution(ModelParallel(...))`: a subset (`DISTRIBUTION`),
-each backbone once, Llama and Qwen3-MoE on both meshes: the entry point differs only
-in how the strategy is made.
+the entry point differing only in how the strategy is made (the full cross product
+took too long for the suite's budget). With the sparse-gradient fix of
+`model_parallel/fsdp.py` reverted, the untied cells on (2, 2) fail (1.8e-2); on
+(1, 4) the data axis has size 1 and nothing is split over replicas.
 """
 
 from __future__ import annotations
@@ -49,15 +51,12 @@ def cells(names):
 
 
 STRATEGY = cells(["gemma", "llama", "qwen", "qwen_moe", "qwen3_moe"])
+# The same cells through Keras's API differ only in how the strategy is made: the untied Llama
+# whose embedding's sparse gradient was wrong, Qwen3-MoE's unmatched rules, Llama 3's class.
 DISTRIBUTION = [
     pytest.param("llama", False, "2x2", id="llama-untied-2x2"),
-    pytest.param("llama", False, "1x4", id="llama-untied-1x4"),
-    pytest.param("llama3", True, "2x2", id="llama3-tied-2x2"),
-    pytest.param("gemma", True, "1x4", id="gemma-tied-1x4"),
-    pytest.param("qwen", False, "1x4", id="qwen-untied-1x4"),
-    pytest.param("qwen_moe", False, "2x2", id="qwen_moe-untied-2x2"),
     pytest.param("qwen3_moe", False, "2x2", id="qwen3_moe-untied-2x2"),
-    pytest.param("qwen3_moe", True, "1x4", id="qwen3_moe-tied-1x4"),
+    pytest.param("llama3", True, "1x4", id="llama3-tied-1x4"),
 ]
 # Qwen3-MoE's map names the dense FFN of a decoder layer; every layer here is a mixture of experts.
 UNMATCHED = {"qwen3_moe": ["transformer_layer.*feedforward_intermediate_dense.kernel",
@@ -194,11 +193,10 @@ MOE_VARIABLES = ("sparse_feedforward_gate_dense", "expert_feedforward")   # the 
 
 
 @pytest.mark.parametrize("name", ["qwen_moe", "qwen3_moe"])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_moe_router_and_expert_gradients(name, mesh_name):
+def test_moe_router_and_expert_gradients(name, mesh_name="2x2"):
     """One SGD step of learning rate 1 on 8 rows: each weight moves by minus its gradient. The
     router's (which the map splits: experts over the model axis, features over the data axis)
-    and the experts' equal one device's."""
+    and the experts' equal one device's, on (2, 2) where both axes split the router."""
     x, y, sample_weight, _ = data()
     rows = {k: v[:8] for k, v in x.items()}, y[:8], sample_weight[:8]
 
