@@ -31,6 +31,7 @@ __all__ = [
     "ClusterStartupError",
     "DeviceConfigurationError",
     "LayoutError",
+    "LayoutWarning",
     "ParameterServerLostError",
     "ReplicaDivergenceError",
     "ResumeError",
@@ -121,8 +122,20 @@ class ResumeError(ValueError):
 class LayoutError(ValueError):
     """A `keras.distribution.LayoutMap` that cannot be applied as written.
 
-    Raised before any step, naming the variable and the rule: a rule that matches no
-    variable, a variable that matches two rules, a layout whose rank is not the
-    variable's, a sharded dimension its mesh axis does not divide, an axis the mesh
-    does not have.
+    Raised before any step, naming the variable and the rule: a variable that
+    matches two rules, a layout whose rank is not the variable's, a sharded
+    dimension its mesh axis does not divide, an axis the mesh does not have; and,
+    with `ReplicatorStrategy(strict_layouts=True)`, a rule that matches no
+    variable (else a `LayoutWarning`).
+    """
+
+
+class LayoutWarning(UserWarning):
+    """A `keras.distribution.LayoutMap` rule matched no variable of the model; training goes on.
+
+    Keras's semantics (a rule that matches nothing lays nothing out): the warning
+    names the rules and the variables no rule matched, which stay whole on every
+    device. `ReplicatorStrategy(strict_layouts=True)` raises `LayoutError` instead,
+    the way to catch a renamed layer; `warnings.simplefilter("ignore", LayoutWarning)`
+    silences it.
     """

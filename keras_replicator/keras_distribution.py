@@ -22,7 +22,10 @@ plain Keras ones (the models built before keep their strategy, as on JAX).
 `set_distribution(ModelParallel(layout_map=...))` runs on
 `ReplicatorStrategy(layout_map=...)` (tensor parallelism over the mesh's model
 axis, data parallelism over its batch axis; see the guide "Model parallelism");
-a bad layout raises `LayoutError` in `set_distribution`.
+a bad layout raises `LayoutError` in `set_distribution`. A rule of its
+`LayoutMap` that matches no variable gives a `LayoutWarning` (Keras's semantics);
+to make it a `LayoutError`, get the distribution's strategy once with
+`strategy_for(distribution, strict_layouts=True)` before `set_distribution`.
 
 What it cannot do raises `ArgumentError` in `set_distribution`, before Keras's
 setting changes: devices that are not this process's, a multi-process
@@ -40,7 +43,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator._compat import keras_distribution, keras_trainer
-from keras_replicator._validation import ArgumentError
+from keras_replicator._validation import ArgumentError, check_bool
 from keras_replicator.strategy import ReplicatorStrategy
 
 __all__ = ["strategy_for"]
@@ -101,7 +104,8 @@ def _check(distribution: Any) -> tuple | None:
     return ("devices", devices, devices)
 
 
-def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStrategy:
+def strategy_for(distribution: keras.distribution.Distribution, *,
+                 strict_layouts: bool | None = None) -> ReplicatorStrategy:
     """The `ReplicatorStrategy` that runs a Keras `DataParallel` distribution on TensorFlow.
 
     `keras.distribution.set_distribution` enters its scope for you; this gives
@@ -123,9 +127,18 @@ def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStr
         keras.distribution.set_distribution(None)                # plain Keras again
         ```
 
+    A `ModelParallel`'s strategy made here with ``strict_layouts=True`` raises
+    `LayoutError` for a rule of its `LayoutMap` that matches no variable, instead
+    of a `LayoutWarning`; `set_distribution` of the same `ModelParallel` (after
+    this call) runs on that strategy.
+
     Args:
         distribution: a `keras.distribution.DataParallel`, over the default
-            devices (`keras.distribution.list_devices()`) or those it names.
+            devices (`keras.distribution.list_devices()`) or those it names, or
+            a `keras.distribution.ModelParallel` (its `LayoutMap`'s mesh).
+        strict_layouts: a `ModelParallel`'s strategy's `strict_layouts` (see
+            `ReplicatorStrategy`), given when the strategy is first made;
+            ``None``: the strategy already made, else ``False``.
 
     Returns:
         The strategy over those devices, in the order the mesh lists them.
@@ -135,13 +148,25 @@ def strategy_for(distribution: keras.distribution.Distribution) -> ReplicatorStr
         raise ArgumentError("strategy_for takes a keras.distribution.DataParallel or ModelParallel, "
                             "got None.")
     kind, key, value = key
+    if strict_layouts is not None:
+        strict_layouts = check_bool("strict_layouts", strict_layouts)
+        if strict_layouts and kind == "devices":
+            raise ArgumentError("strict_layouts=True checks a ModelParallel's LayoutMap; a DataParallel has none.")
     with _lock:
         if (kind, key) not in _strategies:
             # A bad layout raises LayoutError here, before Keras's setting changes.
             _strategies[kind, key] = (
                 ReplicatorStrategy(devices=list(value)) if kind == "devices"
-                else ReplicatorStrategy(layout_map=value), value)  # the value kept alive with its id
-        return _strategies[kind, key][0]
+                else ReplicatorStrategy(layout_map=value, strict_layouts=bool(strict_layouts)),
+                value)  # the value kept alive with its id
+        strategy = _strategies[kind, key][0]
+    sharding = strategy.model_sharding
+    if strict_layouts is not None and sharding is not None and sharding.strict != strict_layouts:
+        raise ArgumentError(
+            f"this ModelParallel's strategy was made with strict_layouts={sharding.strict}; "
+            f"strict_layouts={strict_layouts} must be given the first time (before set_distribution)."
+        )
+    return strategy
 
 
 def _leave() -> None:

@@ -273,6 +273,13 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             ``MultiHeadAttention`` compute on the shards (see the guide "Model
             parallelism: layouts"). A bad layout raises
             `keras_replicator.errors.LayoutError` before any step.
+        strict_layouts: what a ``layout_map`` rule that matches no variable of
+            the model does (checked at ``compile`` once the model is built, else
+            at the first ``fit``, ``evaluate`` or ``predict``). ``False`` (the
+            default, Keras's semantics): a `keras_replicator.errors.LayoutWarning`
+            naming the rules and the variables no rule matched, and training goes
+            on. ``True``: `keras_replicator.errors.LayoutError` there, before any
+            step: the way to catch a renamed layer. Needs a ``layout_map``.
     """
 
     def __init__(
@@ -289,8 +296,12 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         trace_once: bool = True,
         devices_per_replica: int = 1,
         layout_map: keras.distribution.LayoutMap | None = None,
+        strict_layouts: bool = False,
     ):
         devices_per_replica = check_int("devices_per_replica", devices_per_replica, minimum=1)
+        strict_layouts = check_bool("strict_layouts", strict_layouts)
+        if strict_layouts and layout_map is None:
+            raise ArgumentError("strict_layouts=True checks a layout_map's rules: give a layout_map too.")
         rules = None
         if layout_map is not None:
             rules = LayoutRules(layout_map)  # the layouts' errors, before any work
@@ -355,7 +366,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             )
         super().__init__(extended)
         if rules is not None:
-            self.model_sharding = ModelSharding(layout_map, StrategyPlacement(self))
+            self.model_sharding = ModelSharding(layout_map, StrategyPlacement(self), strict=strict_layouts)
         if self.on_sigterm == "fatal" and self.num_workers > 1:
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()

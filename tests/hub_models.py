@@ -137,3 +137,62 @@ def masked_batches(tokenizer, seed: int = 3):
         tokenizer, sequence_length=SEQUENCE_LENGTH, mask_selection_rate=0.25, mask_selection_length=3)
     x, y, sample_weight = preprocessor(tf.constant(TEXT))
     return {k: np.asarray(v) for k, v in x.items()}, np.asarray(y), np.asarray(sample_weight)
+
+
+# --- the backbones with a get_layout_map, as tiny token-id causal LMs (tests/test_kerashub_layouts.py) ---
+
+LAYOUT_VOCABULARY, LAYOUT_HIDDEN = 64, 16
+# name -> (backbone, causal LM, the backbone's arguments beyond the common ones, ties it can take).
+# Head counts divide 4 (Gemma's Q/K/V split the heads over the model axis of a (1, 4) mesh), the
+# router aux loss is 0: each replica's load-balancing loss is a statistic of its own tokens.
+LAYOUT_MODELS = {
+    "gemma": ("GemmaBackbone", "GemmaCausalLM", dict(head_dim=4), (True,)),
+    "llama": ("LlamaBackbone", "LlamaCausalLM", {}, (False, True)),
+    "llama3": ("Llama3Backbone", "Llama3CausalLM", {}, (False, True)),
+    "qwen": ("QwenBackbone", "QwenCausalLM", {}, (True, False)),
+    "qwen_moe": ("QwenMoeBackbone", "QwenMoeCausalLM",
+                 dict(moe_intermediate_dim=8, shared_expert_intermediate_dim=16, num_experts=4, top_k=2,
+                      router_aux_loss_coefficient=0.0), (False, True)),
+    "qwen3_moe": ("Qwen3MoeBackbone", "Qwen3MoeCausalLM",
+                  dict(moe_intermediate_dim=8, num_experts=4, top_k=2, head_dim=4,
+                       router_aux_loss_coefficient=0.0), (False, True)),
+}
+
+
+def layout_backbone_class(name: str):
+    return getattr(keras_hub.models, LAYOUT_MODELS[name][0])
+
+
+def layout_causal_lm(name: str, tied: bool, optimizer=None, seed: int = 1):
+    """A 1-layer ``name`` causal LM (hidden 16, 4 heads, vocabulary 64), no preprocessor (token ids
+    in), compiled with AdamW (or ``optimizer``) and greedy sampling."""
+    backbone_name, lm_name, extra, ties = LAYOUT_MODELS[name]
+    if tied not in ties:
+        raise ValueError(f"{backbone_name} cannot be built with tie_word_embeddings={tied}")
+    arguments = dict(vocabulary_size=LAYOUT_VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=4,
+                     hidden_dim=LAYOUT_HIDDEN, intermediate_dim=32, dropout=0.0, **extra)
+    if len(ties) > 1:
+        arguments["tie_word_embeddings"] = tied
+    keras.utils.set_random_seed(seed)
+    backbone = getattr(keras_hub.models, backbone_name)(**arguments)
+    model = getattr(keras_hub.models, lm_name)(backbone, preprocessor=None)
+    model.compile(optimizer=optimizer or keras.optimizers.AdamW(1e-2), sampler="greedy")
+    return model
+
+
+def layout_batches(rows: int = 16, seed: int = 0):
+    """Token ids for 2 steps of 8 rows: (x, y, sample_weight), next-token targets, the last 2
+    positions of the second half padded; and 2 greedy prompts of 3 tokens (padding after)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, LAYOUT_VOCABULARY, (rows, SEQUENCE_LENGTH)).astype("int32")
+    mask = np.ones_like(ids, dtype=bool)
+    mask[rows // 2:, -2:] = False
+    ids[~mask] = 0
+    x = {"token_ids": ids, "padding_mask": mask}
+    y = np.concatenate([ids[:, 1:], np.zeros((rows, 1), "int32")], axis=1)
+    sample_weight = np.concatenate([mask[:, 1:], np.zeros((rows, 1), bool)], axis=1)
+    prompts = {"token_ids": np.where(np.arange(SEQUENCE_LENGTH) < 3, ids[:2], 0).astype("int32"),
+               "padding_mask": np.broadcast_to(np.arange(SEQUENCE_LENGTH) < 3, (2, SEQUENCE_LENGTH)).copy()}
+    return x, y, sample_weight, prompts

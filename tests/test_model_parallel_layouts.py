@@ -5,6 +5,9 @@ seed (a sharded variable starts as the slices of the one-device initial value),
 trained on the same batches: weights to 1e-5 after several steps.
 """
 
+import re
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -260,24 +263,48 @@ def test_save_on_2x2_load_on_one_device_and_back(tmp_path):
                                ref.predict(data("transformer")[0], verbose=0), atol=1e-5)
 
 
-def test_a_rule_matching_no_variable_raises_at_compile_or_at_the_first_fit():
+def test_a_rule_matching_no_variable_warns_once_and_training_goes_on():
+    """Keras's semantics: the rule lays nothing out; one LayoutWarning names it and the variables
+    no rule matched (at compile, the model built), and fit trains as one device."""
     layout_map = mlp_layout(mesh(2, 2))
     layout_map[".*renamed/kernel"] = (None, "model")
     strategy = kr.ReplicatorStrategy(layout_map=layout_map)
     with strategy.scope():
+        model = mlp()
+        with pytest.warns(kr.errors.LayoutWarning) as caught:
+            compiled(model, "mlp", "sgd")
+    ref = compiled(reference("mlp"), "mlp", "sgd")
+    model.set_weights(ref.get_weights())
+    x, y = data("mlp")
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        for m in (model, ref):
+            m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert len(caught) == 1 and not [w for w in later if issubclass(w.category, kr.errors.LayoutWarning)]
+    message = str(caught[0].message)
+    assert re.search(r"\['\.\*renamed/kernel'\] match no variable.*checked at compile", message), message
+    assert re.search(r"no rule matched \(replicated whole\): \['sequential(_\d+)?/row/bias'\]", message), message
+    assert_weights_close(model, ref)
+
+
+class Unbuilt(keras.Model):                             # built by Keras from the first batch
+    def __init__(self):
+        super().__init__()
+        self.column, self.row = keras.layers.Dense(16, name="column"), keras.layers.Dense(3, name="row")
+
+    def call(self, x):
+        return self.row(self.column(x))
+
+
+def test_strict_layouts_raises_at_compile_or_at_the_first_fit():
+    layout_map = mlp_layout(mesh(2, 2))
+    layout_map[".*renamed/kernel"] = (None, "model")
+    strategy = kr.ReplicatorStrategy(layout_map=layout_map, strict_layouts=True)
+    with strategy.scope():
         model = mlp()                                   # built: the check is at compile
         with pytest.raises(kr.errors.LayoutError, match=r"\['\.\*renamed/kernel'\] match no variable.*compile"):
             model.compile("sgd", "mse")
-
-    class Unbuilt(keras.Model):                         # built by Keras from the first batch
-        def __init__(self):
-            super().__init__()
-            self.column, self.row = keras.layers.Dense(16, name="column"), keras.layers.Dense(3, name="row")
-
-        def call(self, x):
-            return self.row(self.column(x))
-
-    strategy = kr.ReplicatorStrategy(layout_map=layout_map)
+    strategy = kr.ReplicatorStrategy(layout_map=layout_map, strict_layouts=True)
     with strategy.scope():
         model = Unbuilt()
         model.compile("sgd", "mse")
@@ -285,6 +312,39 @@ def test_a_rule_matching_no_variable_raises_at_compile_or_at_the_first_fit():
         model.fit(*data("mlp"), batch_size=4, verbose=0)
     with pytest.raises(kr.errors.ArgumentError, match="differs from the layout_map mesh's model axis"):
         kr.ReplicatorStrategy(layout_map=layout_map, devices_per_replica=4)
+    with pytest.raises(kr.errors.ArgumentError, match="strict_layouts must be True or False"):
+        kr.ReplicatorStrategy(layout_map=layout_map, strict_layouts="yes")
+    with pytest.raises(kr.errors.ArgumentError, match="give a layout_map too"):
+        kr.ReplicatorStrategy(strict_layouts=True)
+
+
+def test_strict_layouts_through_set_distribution():
+    """ModelParallel: a LayoutWarning by default; strategy_for(..., strict_layouts=True) first: the error."""
+    layout_map = mlp_layout(mesh(2, 2))
+    layout_map[".*renamed/kernel"] = (None, "model")
+    lenient = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    try:
+        keras.distribution.set_distribution(lenient)
+        model = Unbuilt()
+        model.compile("sgd", "mse")
+        with pytest.warns(kr.errors.LayoutWarning, match=r"renamed/kernel'\] match no variable.*the first fit"):
+            model.fit(*data("mlp"), batch_size=4, verbose=0)
+        strict_map = mlp_layout(mesh(2, 2))
+        strict_map[".*renamed/kernel"] = (None, "model")
+        strict = keras.distribution.ModelParallel(layout_map=strict_map, batch_dim_name="batch")
+        strategy = kr.keras_distribution.strategy_for(strict, strict_layouts=True)
+        with pytest.raises(kr.errors.ArgumentError, match="was made with strict_layouts=True"):
+            kr.keras_distribution.strategy_for(strict, strict_layouts=False)
+        with pytest.raises(kr.errors.ArgumentError, match="a DataParallel has none"):
+            kr.keras_distribution.strategy_for(keras.distribution.DataParallel(), strict_layouts=True)
+        keras.distribution.set_distribution(strict)
+        model = Unbuilt()
+        assert model.distribute_strategy is strategy
+        model.compile("sgd", "mse")
+        with pytest.raises(kr.errors.LayoutError, match=r"renamed/kernel'\] match no variable.*the first fit"):
+            model.fit(*data("mlp"), batch_size=4, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
 
 
 def layout_error(layout_map, build, match):

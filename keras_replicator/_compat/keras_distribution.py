@@ -22,6 +22,13 @@ thread's scope of the `ReplicatorStrategy` over the distribution's devices (a
 `ModelParallel`: over its `LayoutMap`, which Keras keeps in `_layout_map`):
 Keras's TensorFlow trainer takes the strategy in scope when a model is made, and
 variables made in the scope are mirrored, as with `with strategy.scope():`.
+
+Also `distribute_tensor` (same modules), installed with it: Keras's front end calls
+its backend's `distribute_tensor`, which the TensorFlow backend lacks (Keras 3.15:
+`AttributeError`); KerasHub's `CausalLM.generate` calls it on its inputs whenever a
+distribution is set. In a keras_replicator strategy's scope it returns the tensor
+as it is (the strategy places data itself; `generate` reads the variables where
+they live); elsewhere Keras's function runs.
 """
 
 from __future__ import annotations
@@ -54,6 +61,18 @@ def _replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
     return set_distribution
 
 
+def _distribute_tensor(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(original)
+    def distribute_tensor(tensor: Any, layout: Any) -> Any:
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy() and patching.ours(tf.distribute.get_strategy()):
+            return tensor
+        return original(tensor, layout)
+
+    return distribute_tensor
+
+
 def layout_map(distribution: Any) -> Any:
     """A `keras.distribution.ModelParallel`'s `LayoutMap` (Keras keeps it private)."""
     return distribution._layout_map
@@ -84,6 +103,8 @@ def _patches() -> list[ScopedPatch]:
             continue
         if hasattr(module, "set_distribution"):
             patches.append(ScopedPatch(module, "set_distribution", _replacement))
+        if hasattr(module, "distribute_tensor"):
+            patches.append(ScopedPatch(module, "distribute_tensor", _distribute_tensor))
     return patches
 
 

@@ -2,9 +2,10 @@
 
 `TFOptimizer._all_reduce_sum_gradients` (keras.src.backend.tensorflow.optimizer;
 checked on Keras 3.15), installed, acting only on the variables
-`fsdp.replica_slices` marks: their gradient comes out of `all_gather`'s gradient
-already summed over the replicas and cut to the replica's slice (the
-reduce-scatter), so it is passed through; the other variables' gradients are
+`fsdp.replica_slices` marks: their gradient comes out of the gather's gradient
+(`fsdp.gather_over_replicas`) already summed over the replicas and cut to the
+replica's slice (the reduce-scatter; `IndexedSlices` for a lookup, as on one
+device), so it is passed through; the other variables' gradients are
 all-reduced by Keras's own method, as before. An optimizer whose instance
 overrides the method (`CrossReplicaOptimizer`'s inner one) is not affected.
 

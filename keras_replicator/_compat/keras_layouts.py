@@ -17,7 +17,8 @@ Patches (checked on Keras 3.15):
 * `Trainer.compile` (when the model is built) and
   `TensorFlowTrainer._maybe_symbolic_build` (the first `fit`, `evaluate`, `predict`),
   installed, under a strategy with a `layout_map`: the earliest points where every
-  variable exists, so a rule that matched none raises there, before any step.
+  variable exists, so a rule that matched none warns there (`LayoutWarning`), or
+  raises with `strict_layouts=True`, before any step.
 * `Layer.get_weights`, `set_weights`, `save_own_variables`,
   `load_own_variables`, `_check_load_own_variables`, installed: while they run,
   the layers' variable lists (`_trainable_variables`, `_non_trainable_variables`)
@@ -255,7 +256,7 @@ def _slot_beside_shard(original):
 def _check_rules(model, where: str) -> None:
     model_sharding = getattr(getattr(model, "distribute_strategy", None), "model_sharding", None)
     if model_sharding is not None:
-        model_sharding.check_all_rules_matched(where)
+        model_sharding.check_rules(where)  # LayoutWarning, or LayoutError with strict_layouts=True
         fsdp.check_optimizer(model)
 
 

@@ -9,9 +9,14 @@ lives on logical device j of replica i and a device holds 1/(M k) of it.
 * Use: inside a replica, each shard is gathered whole along d for that use
   (`ReplicaContext.all_gather`), on the shard's logical device; outside one
   (Keras's symbolic build, `numpy`, saving) its copies are concatenated.
-* Gradient: `all_gather`'s gradient in TensorFlow is an all-reduce of the whole
-  gradient followed by the replica's slice: a reduce-scatter built from an
-  all-reduce, as TensorFlow has no reduce-scatter on CPUs (DESIGN.md). It is
+* Gradient: the gather's gradient is an all-reduce of the whole gradient followed
+  by the replica's slice: a reduce-scatter built from an all-reduce, as TensorFlow
+  has no reduce-scatter on CPUs (DESIGN.md). A lookup's sparse gradient
+  (`IndexedSlices`: `Embedding`, `tf.gather`, `keras.ops.take`) stays sparse: the
+  replicas' looked-up rows, duplicates kept, cut to the replica's slice, the form
+  one device's optimizer gets (Keras's Adam on `IndexedSlices` squares each
+  looked-up row before duplicates add up, so a densified gradient trains
+  differently: 2e-2 off one device after 2 AdamW steps). It is
   already summed over the replicas, so the optimizer must not sum it again
   (`_compat/keras_fsdp.py` skips its all-reduce for these variables); each copy's
   update then runs unchanged on its own slice, and so do the optimizer's slots
@@ -143,11 +148,69 @@ def assign_replica_slices(variable, whole, dim: int) -> None:
         copy.assign(part)
 
 
-@tf.custom_gradient
-def _dense_gradient(x):
-    """The identity, whose gradient is dense: `all_gather`'s gradient all-reduces it, and
-    TensorFlow's all-reduce takes no `IndexedSlices` (an embedding lookup's gradient)."""
-    return tf.identity(x), tf.convert_to_tensor
+def _replica_index(context) -> tf.Tensor:
+    """The running replica's index (one worker: FSDP refuses several), a Python int or a tensor."""
+    rid = context.replica_id_in_sync_group
+    return tf.cast(rid, tf.int32) if isinstance(rid, tf.Tensor) else tf.constant(rid, tf.int32)
+
+
+def _sparse_reduce_scatter(context, dy: tf.IndexedSlices, x: tf.Tensor, axis: int) -> tf.IndexedSlices:
+    """This replica's slice (along `axis`) of the sum over the replicas of the sparse `dy`.
+
+    The sum of `IndexedSlices` is their concatenation (TensorFlow's all-reduce of
+    them): the rows every replica looked up, duplicates kept, as one device's lookup
+    of the whole batch gives them. The slice keeps that form, so the optimizer sees
+    the gradient one device would give it, restricted to the replica's part:
+
+    * `axis` 0 (rows split over the replicas): the rows in this replica's range,
+      re-indexed from 0;
+    * another axis: every row, its values cut to this replica's columns.
+
+    Densifying instead changes what Keras's optimizers compute: on `IndexedSlices`
+    their elementwise terms (Adam's `square(gradient)`) apply to each looked-up row
+    before duplicates are added up, on a dense gradient after.
+    """
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, dy)
+    size = int(x.shape[axis])
+    start = _replica_index(context) * size
+    dense_shape = tf.shape(x, out_type=total.dense_shape.dtype) if total.dense_shape is not None else None
+    if axis == 0:
+        local = total.indices - tf.cast(start, total.indices.dtype)
+        inside = tf.where((local >= 0) & (local < size))[:, 0]
+        return tf.IndexedSlices(tf.gather(total.values, inside), tf.gather(local, inside), dense_shape)
+    return tf.IndexedSlices(tf.gather(total.values, tf.range(start, start + size), axis=axis),
+                            total.indices, dense_shape)
+
+
+def _dense_reduce_scatter(context, dy: tf.Tensor, x: tf.Tensor, axis: int) -> tf.Tensor:
+    """This replica's slice (along `axis`) of the sum over the replicas of `dy`."""
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, dy)
+    size = int(x.shape[axis])
+    return tf.gather(total, tf.range(size) + _replica_index(context) * size, axis=axis)
+
+
+def gather_over_replicas(context, x: tf.Tensor, axis: int, shape) -> tf.Tensor:
+    """`x` (this replica's slice) gathered whole along `axis`; its gradient the reduce-scatter.
+
+    The gradient is written here rather than taken from the replica context's
+    `all_gather`, whose gradient slices a dense tensor: an embedding lookup's
+    gradient is `IndexedSlices`, and stays so (`_sparse_reduce_scatter`).
+    """
+
+    @tf.custom_gradient
+    def gather(x):
+        # all_gather's static shape leaves the gathered dimension unknown: later layers
+        # (LayerNormalization's broadcast) need it.
+        y = tf.ensure_shape(context.all_gather(tf.stop_gradient(x), axis=axis), shape)
+
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                return _sparse_reduce_scatter(context, dy, x, axis)
+            return _dense_reduce_scatter(context, dy, x, axis)
+
+        return y, grad
+
+    return gather(x)
 
 
 class ReplicaShardedVariable(ShardedVariable):
@@ -205,10 +268,7 @@ class ReplicaShardedVariable(ShardedVariable):
             shape = list(shard.shape)
             shape[self.data_axis] *= self.num_replicas
             with self.placement.ops(j):
-                gathered = context.all_gather(tf.convert_to_tensor(shard.value), axis=self.data_axis)
-                # all_gather's static shape leaves the gathered dimension unknown: later layers
-                # (LayerNormalization's broadcast) need it.
-                return _dense_gradient(tf.ensure_shape(gathered, shape))
+                return gather_over_replicas(context, tf.convert_to_tensor(shard.value), self.data_axis, shape)
         # Outside a replica (Keras's symbolic build, eager reads): the copies, concatenated.
         return tf.concat([tf.convert_to_tensor(c) for c in copies(shard)], axis=self.data_axis)
 

@@ -10,9 +10,13 @@ names the variable and the rule, and comes before any step.
 * a rule naming an axis the mesh does not have: when the rules are made;
 * a variable matching two rules, a layout whose rank is not the variable's, a
   sharded dimension its axis does not divide: when the variable is created;
-* a rule that matched no variable: `check_all_rules_matched()`, called where every
-  variable exists (the strategy calls it at `compile` when the model is built,
-  else when `fit`, `evaluate` or `predict` first run).
+* a rule that matched no variable: checked where every variable exists (the
+  strategy checks at `compile` when the model is built, else when `fit`,
+  `evaluate` or `predict` first run). Keras ignores such a rule; so does the
+  strategy, with a `LayoutWarning` naming the rules and the variables no rule
+  matched (`unmatched_message`), unless `strict_layouts=True` makes it a
+  `LayoutError` (`check_all_rules_matched()`, which `ModelSharding.scope()`'s
+  users call themselves).
 
 The mesh's axes are a data axis (`batch`) and a model axis (`model`), the names
 Keras's `ModelParallel` and KerasHub's `get_layout_map` use. A layout naming the
@@ -109,6 +113,7 @@ class LayoutRules:
         self.axis_sizes = dict(zip(names, mesh.shape))
         self._axes = {rule: self._checked_axes(rule, layout_map[rule]) for rule in layout_map}
         self._matched: dict[str, list[str]] = {rule: [] for rule in self._axes}
+        self._unmatched_paths: list[str] = []  # the variables no rule matched (replicated)
 
     def _checked_axes(self, rule: str, layout) -> tuple[str | None, ...]:
         axes = tuple(layout.axes)
@@ -157,6 +162,7 @@ class LayoutRules:
         """The layout of the variable `path` of shape `shape`; `None` when no rule matches."""
         rule = self.rule_for(path)
         if rule is None:
+            self._unmatched_paths.append(path)
             return None
         shape = tuple(int(d) for d in shape)
         axes = self._axes[rule]
@@ -180,20 +186,40 @@ class LayoutRules:
         """The rules that no resolved variable matched yet."""
         return [rule for rule, paths in self._matched.items() if not paths]
 
+    def unmatched_variables(self) -> list[str]:
+        """The paths of the variables no rule matched (kept whole on every device), in order."""
+        return list(dict.fromkeys(self._unmatched_paths))
+
+    def unmatched_message(self, where: str, limit: int = 20) -> str | None:
+        """What the unmatched rules are and which variables no rule matched; `None` if every rule matched.
+
+        Args:
+            where: when the check runs, for the message (`"compile"`, `"the first fit"`).
+            limit: at most this many unmatched variables are named (then their count).
+        """
+        unmatched = self.unmatched_rules()
+        if not unmatched:
+            return None
+        variables = self.unmatched_variables()
+        named = ", ".join(repr(p) for p in variables[:limit])
+        if len(variables) > limit:
+            named += f", ... ({len(variables)} in all)"
+        return (
+            f"LayoutMap rules {unmatched} match no variable of the model (checked at {where}, "
+            "when every variable exists): they lay nothing out, as in Keras. A renamed layer would "
+            "leave its weights whole on every device (keras-hub#2806). Variables no rule matched "
+            f"(replicated whole): [{named}]."
+        )
+
     def check_all_rules_matched(self, where: str) -> None:
         """Raises `LayoutError` if a rule matched no variable (call once every variable exists).
 
         Args:
             where: when the check runs, for the message (`"compile"`, `"the first fit"`).
         """
-        unmatched = self.unmatched_rules()
-        if unmatched:
-            seen = sorted({p for paths in self._matched.values() for p in paths})
-            raise LayoutError(
-                f"LayoutMap rules {unmatched} match no variable of the model (checked at {where}, "
-                "when every variable exists). A renamed layer would otherwise leave its weights "
-                f"whole on every device (keras-hub#2806). Variables the other rules matched: {seen}."
-            )
+        message = self.unmatched_message(where)
+        if message is not None:
+            raise LayoutError(message)
 
 
 def _tf_device(name) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_replicator.errors import LayoutError
+from keras_replicator.errors import LayoutError, LayoutWarning
 from keras_replicator.model_parallel.fsdp import (
     ReplicaShardedVariable,
     assign_replica_slices,
@@ -97,6 +98,8 @@ class ModelSharding:
             of the mesh's first row (`DevicePlacement`), one replica.
         model_axis: the name of the mesh's axis that splits a replica's variables.
         data_axis: the name of the mesh's axis over the replicas.
+        strict: whether a rule that matches no variable raises `LayoutError` in
+            `check_rules` (else a `LayoutWarning`, once).
 
     Example:
         ```python
@@ -118,8 +121,10 @@ class ModelSharding:
     """
 
     def __init__(self, layout_map: keras.distribution.LayoutMap, placement: Any = None, *, model_axis: str = MODEL_AXIS,
-                 data_axis: str = DATA_AXIS):
+                 data_axis: str = DATA_AXIS, strict: bool = False):
         self.rules = LayoutRules(layout_map, model_axis=model_axis, data_axis=data_axis)
+        self.strict = bool(strict)
+        self._warned: set[tuple[str, ...]] = set()
         if placement is None:
             placement = DevicePlacement(self.rules.mesh_devices()[:self.rules.model_size])
         self.placement = placement
@@ -143,6 +148,20 @@ class ModelSharding:
     def check_all_rules_matched(self, where: str) -> None:
         """Raises `LayoutError` naming a rule that matched no variable (see `LayoutRules`)."""
         self.rules.check_all_rules_matched(where)
+
+    def check_rules(self, where: str) -> None:
+        """A rule that matched no variable: `LayoutError` if `strict`, else one `LayoutWarning`.
+
+        The warning is given once per set of unmatched rules (the strategy checks at
+        `compile` and again at the first `fit`).
+        """
+        if self.strict:
+            self.rules.check_all_rules_matched(where)
+            return
+        unmatched = tuple(self.rules.unmatched_rules())
+        if unmatched and unmatched not in self._warned:
+            self._warned.add(unmatched)
+            warnings.warn(self.rules.unmatched_message(where), LayoutWarning, stacklevel=2)
 
     def add_weight(self, layer, add_weight: Callable, path: str, kwargs: dict):
         """`layer.add_weight(**kwargs)` under the layouts: a variable or a `ShardedVariable`."""
