@@ -200,6 +200,20 @@ def test_environments():
     assert -1600 < np.mean(returns) < -900
 
 
+def test_held_out_evaluation_seeds_are_disjoint_from_the_curve_and_the_actors():
+    from keras_replicator.applications.d4pg import actors, builder
+    from keras_replicator.applications.d4pg.config import D4PGConfig
+
+    assert actors.actor_seeds(3, 2) == [1003, 2003]
+    config = builder.check_arguments(D4PGConfig("Pendulum-v1", "/tmp/unused"))
+    assert (config.final_eval_seed, config.final_eval_episodes) == (50_000, 100)
+    for fields in (dict(final_eval_seed=environments.CURVE_EVAL_SEED + 5),   # the curve's
+                   dict(final_eval_seed=9_995, final_eval_episodes=10),     # overlaps it
+                   dict(final_eval_seed=1_950, final_eval_episodes=100)):   # actor 2's 2000
+        with pytest.raises(ValueError, match="disjoint from the curve's"):
+            builder.check_arguments(D4PGConfig("Pendulum-v1", "/tmp/unused", **fields))
+
+
 def test_missing_extra_error_names_the_extra(monkeypatch):
     import builtins
 

@@ -31,6 +31,11 @@ REWARD_SCALES = {"Pendulum-v1": 0.1}
 # reaches -121 at 20k steps with 1e-3 and -1018 with 1e-4 (measured, docs/tutorials/d4pg.md).
 LEARNING_RATES = {"Pendulum-v1": 1e-3}
 DEFAULT_LEARNING_RATE = 1e-4
+# Learner updates between target copies where a task needs other than Acme's 100.
+TARGET_UPDATE_PERIODS: dict[str, int] = {}
+DEFAULT_TARGET_UPDATE_PERIOD = 100
+# The first reset seed of the learning curve's evaluations (episode i: CURVE_EVAL_SEED + i).
+CURVE_EVAL_SEED = 10_000
 
 
 class EnvSpec(NamedTuple):
@@ -124,7 +129,7 @@ def env_spec(env_id: str) -> EnvSpec:
     return EnvSpec(env_id, obs_dim, low, high, REWARD_SCALES.get(env_id, 1.0))
 
 
-def evaluate(env_id: str, policy_fn, episodes: int = 10, seed: int = 10_000) -> list[float]:
+def evaluate(env_id: str, policy_fn, episodes: int = 10, seed: int = CURVE_EVAL_SEED) -> list[float]:
     """Undiscounted returns of `policy_fn` (observation -> action) over whole episodes.
 
     Episode `i` starts from `reset(seed=seed + i)`, so every evaluation sees the same starts.
