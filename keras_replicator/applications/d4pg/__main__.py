@@ -39,8 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=C.learning_rate,
                    help="Adam's, both networks (default: 1e-3 for Pendulum-v1, else 1e-4 as Acme)")
     p.add_argument("--target-update-period", type=int, default=C.target_update_period,
-                   help="learner updates between target copies (default: the task's, "
+                   help="learner updates between target copies (default: 20 for Pendulum-v1, "
                         "else 100 as Acme)")
+    p.add_argument("--pre-tanh-penalty", type=float, default=C.pre_tanh_penalty,
+                   help="penalty on the policy's pre-tanh outputs (default: 1e-3 for "
+                        "Pendulum-v1, else 0 as Acme)")
     p.add_argument("--eval-every", type=int, default=C.eval_every, help="env steps between evaluations")
     p.add_argument("--eval-episodes", type=int, default=C.eval_episodes,
                    help=f"episodes of each learning-curve evaluation (default {C.eval_episodes})")

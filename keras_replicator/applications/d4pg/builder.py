@@ -60,6 +60,9 @@ def check_arguments(config: D4PGConfig) -> D4PGConfig:
     checked["learning_rate"] = check_number(
         "learning_rate", config.learning_rate, positive=True, optional=True
     )
+    checked["pre_tanh_penalty"] = check_number(
+        "pre_tanh_penalty", config.pre_tanh_penalty, non_negative=True, optional=True
+    )
     checked["target_update_period"] = check_int(
         "target_update_period", config.target_update_period, minimum=1, optional=True
     )
@@ -98,6 +101,9 @@ def check_config(config: D4PGConfig) -> D4PGConfig:
     if period is None:
         period = environments.TARGET_UPDATE_PERIODS.get(config.env_id,
                                                         environments.DEFAULT_TARGET_UPDATE_PERIOD)
+    penalty = config.pre_tanh_penalty
+    if penalty is None:
+        penalty = environments.PRE_TANH_PENALTIES.get(config.env_id, 0.0)
     import keras_replicator as kr
 
     devices = kr.local_devices()
@@ -110,7 +116,7 @@ def check_config(config: D4PGConfig) -> D4PGConfig:
     if config.batch_size % replicas:
         raise ValueError(f"batch_size {config.batch_size} must be divisible by replicas {replicas}.")
     return dataclasses.replace(config, learning_rate=learning_rate, replicas=replicas,
-                               target_update_period=period)
+                               target_update_period=period, pre_tanh_penalty=penalty)
 
 
 def make_strategy(config: D4PGConfig):
@@ -128,6 +134,7 @@ def make_learner(config: D4PGConfig, strategy) -> D4PGLearner:
             spec.obs_dim, spec.low, spec.high, v_min=config.v_min, v_max=config.v_max,
             policy_layers=config.policy_layers, critic_layers=config.critic_layers,
             target_update_period=config.target_update_period,
+            pre_tanh_penalty=config.pre_tanh_penalty,
         )
         learner.compile(learning_rate=config.learning_rate)
     return learner

@@ -57,6 +57,8 @@ class D4PGConfig:
             ``environments.LEARNING_RATES``, else Acme's 1e-4).
         target_update_period: learner updates between target network copies (``None``: the
             task's, see ``environments.TARGET_UPDATE_PERIODS``, else Acme's 100).
+        pre_tanh_penalty: the learner's penalty on the policy's pre-tanh outputs (``None``:
+            the task's, see ``environments.PRE_TANH_PENALTIES``, else 0 as Acme).
         policy_layers: the policy's hidden layer widths.
         critic_layers: the critic's hidden layer widths.
         verbose: print a line per evaluation.
@@ -84,6 +86,7 @@ class D4PGConfig:
     v_max: float = 150.0
     learning_rate: float | None = None
     target_update_period: int | None = None
+    pre_tanh_penalty: float | None = None
     policy_layers: Sequence[int] = networks.POLICY_LAYERS
     critic_layers: Sequence[int] = networks.CRITIC_LAYERS
     verbose: bool = True
