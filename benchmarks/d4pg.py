@@ -1,7 +1,10 @@
 """D4PG throughput (tutorial 3): actor environment steps/s with 1, 2 and 4 Ray actors, and
 learner updates/s on 1 device and 2 and 4 simulated replicas, measured in one run.
 
-Run ``python -m benchmarks.d4pg`` (``make bench-d4pg``; about 4 minutes on 2 cores). Actors:
+Run ``python -m benchmarks.d4pg`` (``make bench-d4pg``; about 4 minutes on 2 cores). With
+``--pendulum-seeds 0 1 2 3 4`` it measures learning instead: one run of the default Pendulum-v1
+command per seed, one after the other, each scored on its 100-episode held-out evaluation, with its
+wall time and the machine's load average (``results/d4pg_pendulum_runs.{json,md}``). Actors:
 each configuration starts a local Ray instance on 127.0.0.1, keeps every actor busy with
 `run` calls of 50 Pendulum-v1 steps (the full-size policy, evaluated with NumPy) for a timed
 window after a warm-up, and counts the steps returned. Learner: each replica count runs in its
@@ -114,11 +117,97 @@ def actor_throughput(actor_counts=(1, 2, 4), seconds=10.0, steps_per_call=50) ->
     return out
 
 
+def _load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def pendulum_run(seed: int, out_dir: str, flags=()) -> dict:
+    """One run of the default command at ``seed`` (one process, its output in ``out_dir``): its
+    held-out evaluation (`final_evaluation.json`), wall time, the machine's 1-minute load average
+    sampled every 10 s, and whether its log (TensorFlow's warnings on) has tf.data's finalizer
+    error at exit."""
+    import threading
+
+    loads, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            loads.append(_load_average())
+            stop.wait(10)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    command = [sys.executable, "-m", "keras_replicator.applications.d4pg", "--env", "Pendulum-v1",
+               "--out", out_dir, "--seed", str(seed), *flags]
+    start = time.monotonic()
+    # TensorFlow's warnings shown (the command hides them by default): the finalizer's is one.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    wall = time.monotonic() - start
+    stop.set()
+    sampler.join()
+    log = result.stdout + result.stderr
+    if result.returncode:
+        raise RuntimeError(f"seed {seed} failed:\n{log[-3000:]}")
+    with open(os.path.join(out_dir, "final_evaluation.json")) as f:
+        final = json.load(f)
+    with open(os.path.join(out_dir, "returns.csv")) as f:
+        curve = [line.strip() for line in f if line.strip()]
+    return {"seed": seed, "flags": list(flags), "wall_time_s": wall, "curve_csv": curve,
+            "load_average_mean": float(np.mean(loads)), "load_average_max": float(np.max(loads)),
+            "finalizer_error": "Error occurred when finalizing" in log,
+            **{k: final[k] for k in ("mean", "std", "worst", "episodes", "reset_seeds",
+                                     "env_steps", "updates", "updates_per_env_step")}}
+
+
+def pendulum_runs(seeds, out: str, flags=()) -> list[dict]:
+    """`pendulum_run` for each seed, one after the other; writes ``out`` (JSON) and its .md table."""
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="d4pg_runs_") as tmp:
+        for seed in seeds:
+            runs.append(pendulum_run(seed, os.path.join(tmp, f"seed{seed}"), flags))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "curve_csv"}), flush=True)
+    with open(out, "w") as f:
+        json.dump({"flags": list(flags), "cpu_count": os.cpu_count(), "runs": runs}, f, indent=1)
+    lines = ["| seed | mean | std | worst | updates per env step | wall time | load average |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['seed']} | {r['mean']:.0f} | {r['std']:.0f} | {r['worst']:.0f} | "
+              f"{r['updates_per_env_step']:.3f} | {r['wall_time_s'] / 60:.1f} min | "
+              f"{r['load_average_mean']:.1f} (max {r['load_average_max']:.1f}) |" for r in runs]
+    means = [r["mean"] for r in runs]
+    lines += ["", f"Median of the means {np.median(means):.0f}, worst mean {min(means):.0f}; "
+              f"{sum(m >= -200 for m in means)} of {len(means)} runs at -200 or better. Each run: "
+              f"`python -m keras_replicator.applications.d4pg --env Pendulum-v1 --seed S"
+              f"{' ' + ' '.join(flags) if flags else ''}`, then its `policy.keras` over "
+              f"{runs[0]['episodes']} held-out episodes (reset seeds {runs[0]['reset_seeds'][0]}"
+              f"..{runs[0]['reset_seeds'][1]})."]
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return runs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                 "d4pg_throughput.json"))
+    p.add_argument("--out", default=None,
+                   help="results JSON (default: results/d4pg_throughput.json, or "
+                        "results/d4pg_pendulum_runs.json with --pendulum-seeds)")
+    p.add_argument("--pendulum-seeds", type=int, nargs="+", default=None,
+                   help="instead of throughput: one run of the default Pendulum-v1 command per "
+                        "seed, each scored on its held-out evaluation")
+    p.add_argument("--flags", default="",
+                   help="with --pendulum-seeds: extra flags of the command, e.g. "
+                        "'--target-update-period 100'")
     args = p.parse_args(argv)
+    results = os.path.join(os.path.dirname(__file__), "results")
+    if args.pendulum_seeds is not None:
+        pendulum_runs(args.pendulum_seeds, args.out or os.path.join(
+            results, "d4pg_pendulum_runs.json"), args.flags.split())
+        return 0
+    args.out = args.out or os.path.join(results, "d4pg_throughput.json")
     t0 = time.time()
     acting = actor_throughput()
     learning = learner_throughput()

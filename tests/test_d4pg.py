@@ -1,6 +1,7 @@
 """D4PG (tutorial 3): the C51 projection and N-step returns against NumPy references, the
 rate limiter, the networks, environments and clear errors for bad inputs."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -60,6 +61,38 @@ def test_dpg_loss_gradient_is_clipped_dqda():
     with tf.GradientTape() as tape:
         loss = d4pg.dpg_loss(a, tf.constant([[3.0, -0.5]]), clipping=1.0)
     np.testing.assert_allclose(tape.gradient(loss, a).numpy(), [[-1.0, 0.5]], atol=1e-6)
+
+
+def test_pre_tanh_penalty_pulls_a_saturated_policy_back():
+    """A policy whose tanh is saturated (pre-tanh output 50, as a Pendulum run's was) gets no DPG
+    gradient; the penalty's is exactly 2 * penalty * u / batch on the output bias, toward 0."""
+    rng = np.random.default_rng(0)
+    n = 8
+    data = {"observation": rng.normal(size=(n, 3)).astype("f4"),
+            "action": rng.uniform(-2, 2, size=(n, 1)).astype("f4"),
+            "reward": rng.normal(size=n).astype("f4"), "discount": np.full(n, 0.95, "f4"),
+            "next_observation": rng.normal(size=(n, 3)).astype("f4")}
+    bias_grads, losses = {}, {}
+    for penalty in (None, 1e-3):
+        keras.utils.set_random_seed(0)                   # the same networks both times
+        learner = d4pg.D4PGLearner.create(3, [-2.0], [2.0], policy_layers=(8, 8),
+                                          critic_layers=(8, 8), pre_tanh_penalty=penalty)
+        output = learner.policy.get_layer("policy_output")
+        output.kernel.assign(np.zeros(output.kernel.shape, "f4"))
+        output.bias.assign([50.0])                      # u = 50 for every observation
+        _, policy_loss, _, policy_grads = learner.compute_losses(
+            {k: tf.constant(v) for k, v in data.items()})
+        index = [id(v) for v in learner.policy.trainable_variables].index(id(output.bias))
+        bias_grads[penalty] = float(policy_grads[index].numpy()[0])
+        losses[penalty] = float(policy_loss)
+    assert bias_grads[None] == 0.0
+    assert bias_grads[1e-3] == pytest.approx(2 * 1e-3 * 50.0, rel=1e-5)   # mean over the batch
+    assert losses[1e-3] - losses[None] == pytest.approx(1e-3 * 50.0**2, rel=1e-5)
+    with pytest.raises(ValueError, match="pre_tanh_penalty needs a policy of make_policy"):
+        inp = keras.Input((3,))
+        other = keras.Model(inp, keras.layers.Dense(1)(inp))
+        d4pg.D4PGLearner(other, d4pg.make_critic(3, 1, (8, 8)), d4pg.make_atoms(),
+                         pre_tanh_penalty=1e-3)
 
 
 def n_step_reference(rewards, dones, truncs, n, gamma):
@@ -198,6 +231,20 @@ def test_environments():
     rng = np.random.default_rng(0)
     returns = environments.evaluate("Pendulum-v1", lambda o: rng.uniform(-2, 2, 1), episodes=5)
     assert -1600 < np.mean(returns) < -900
+
+
+def test_held_out_evaluation_seeds_are_disjoint_from_the_curve_and_the_actors():
+    from keras_replicator.applications.d4pg import actors, builder
+    from keras_replicator.applications.d4pg.config import D4PGConfig
+
+    assert actors.actor_seeds(3, 2) == [1003, 2003]
+    config = builder.check_arguments(D4PGConfig("Pendulum-v1", "/tmp/unused"))
+    assert (config.final_eval_seed, config.final_eval_episodes) == (50_000, 100)
+    for fields in (dict(final_eval_seed=environments.CURVE_EVAL_SEED + 5),   # the curve's
+                   dict(final_eval_seed=9_995, final_eval_episodes=10),     # overlaps it
+                   dict(final_eval_seed=1_950, final_eval_episodes=100)):   # actor 2's 2000
+        with pytest.raises(ValueError, match="disjoint from the curve's"):
+            builder.check_arguments(D4PGConfig("Pendulum-v1", "/tmp/unused", **fields))
 
 
 def test_missing_extra_error_names_the_extra(monkeypatch):

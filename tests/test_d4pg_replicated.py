@@ -21,7 +21,7 @@ import tensorflow as tf
 import keras_replicator as kr
 from keras_replicator.applications import d4pg
 from keras_replicator.applications.d4pg import actors as actors_lib
-from keras_replicator.applications.d4pg import training
+from keras_replicator.applications.d4pg import environments, training
 from tests.helpers import RAY_OWNER_ENV, own_ray_servers, wait_for_no_ray_servers
 
 pytestmark = pytest.mark.devices(2)
@@ -168,17 +168,29 @@ def test_training_writes_outputs_and_resumes(tmp_path, local_ray):
     # Both runs on the module's Ray (keep_ray; see ray_owner). test_pendulum_learns checks that
     # train stops Ray at its end without keep_ray.
     kwargs = dict(actors=1, replicas=2, samples_per_insert=64.0, batch_size=32,
-                  eval_every=400, eval_episodes=1, min_replay_size=200, steps_per_call=100,
+                  eval_every=400, eval_episodes=1, final_eval_episodes=2, min_replay_size=200,
+                  steps_per_call=100,
                   policy_layers=(16, 16, 16), critic_layers=(32, 32, 16), verbose=False, keep_ray=True)
     rows = training.train("Pendulum-v1", str(tmp_path), env_steps=800, **kwargs)
     assert [int(r["env_steps"]) for r in rows] == [400, 800]
     assert rows[-1]["updates"] > 0
-    for name in ("policy.keras", "returns.csv", "learning_curve.png", "checkpoint.npz"):
+    for name in ("policy.keras", "returns.csv", "learning_curve.png", "checkpoint.npz",
+                 training.FINAL_EVALUATION):
         assert (tmp_path / name).exists(), name
     policy = keras.saving.load_model(tmp_path / "policy.keras")
     obs = np.random.default_rng(0).normal(size=(7, 3)).astype("float32") * 10
     actions = np.asarray(policy(obs))
     assert actions.shape == (7, 1) and np.all(np.abs(actions) <= 2.0)
+    # The held-out evaluation is of the saved policy, on its own starts (50_000 on).
+    final = training.read_final_evaluation(str(tmp_path))
+    weights = policy.get_weights()
+    again = environments.evaluate(
+        "Pendulum-v1", lambda o: d4pg.policy_forward_numpy(weights, o, [-2.0], [2.0]),
+        episodes=2, seed=50_000)
+    assert final["returns"] == again and final["reset_seeds"] == [50_000, 50_001]
+    assert final["mean"] == pytest.approx(np.mean(again)) and final["worst"] == min(again)
+    assert final["updates"] == rows[-1]["updates"] and final["env_steps"] == 800
+    assert final["updates_per_env_step"] == pytest.approx(final["updates"] / 800)
     # Resume: the second run starts at 800 steps and adds rows up to 1200.
     rows = training.train("Pendulum-v1", str(tmp_path), env_steps=1200, **kwargs)
     assert [int(r["env_steps"]) for r in rows] == [400, 800, 1200]
@@ -231,17 +243,32 @@ def test_training_rejects_bad_input_before_work(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+# A random policy scores about -1200 on the held-out starts; a learner that does not learn fails
+# this test (learning_rate=1e-12 passed to train here, measured: -1173 at a load of 21). The
+# default configuration's 5-run table (docs/d4pg.md, 100 held-out episodes at 20k steps, loaded
+# machine): every run between -141 and -148; the two runs without the pre-tanh penalty that
+# missed the target scored -389 and -968.
+PENDULUM_BAR = -300.0
+
+
 @pytest.mark.timeout(1500)
 def test_pendulum_learns(tmp_path, local_ray, ray_owner):
-    """The documented Pendulum-v1 configuration (a random policy: about -1200), 24k environment
-    steps: the mean of 10 evaluation episodes >= -400. Runs are not bit-reproducible (the actors
-    are asynchronous), so the budget has a margin: of 7 measured runs (docs/d4pg.md) the slowest
-    was at -1142 at 16k and -1007 at 18k, all were at -206 or better at 20k, and the two run on
-    to 26k stayed there."""
+    """The default Pendulum-v1 command's configuration, 20k environment steps, judged on its
+    final evaluation: `policy.keras` over 100 held-out episodes (reset seeds 50,000 on, which
+    neither the learning curve's 10 episodes nor the actors use). Runs are not bit-reproducible
+    (the actors are asynchronous); the bar is far from both a correct run and a broken one."""
     rows = training.train("Pendulum-v1", str(tmp_path), actors=2, replicas=2, seed=0,
-                          env_steps=24_000, eval_every=24_000, eval_episodes=10, verbose=False)
-    assert rows[-1]["env_steps"] >= 24_000
-    assert rows[-1]["eval_return"] >= -400, rows
+                          verbose=False)
+    assert rows[-1]["env_steps"] >= 20_000
+    final = training.read_final_evaluation(str(tmp_path))
+    assert (final["episodes"], final["reset_seeds"]) == (100, [50_000, 50_099])
+    # The saved policy is the evaluated one.
+    weights = keras.saving.load_model(tmp_path / "policy.keras").get_weights()
+    first = environments.evaluate(
+        "Pendulum-v1", lambda o: d4pg.policy_forward_numpy(weights, o, [-2.0], [2.0]),
+        episodes=1, seed=50_000)
+    assert first[0] == pytest.approx(final["returns"][0], abs=1e-3)
+    assert final["mean"] >= PENDULUM_BAR, final
     # Without keep_ray, train stops Ray at its end: its servers end (they may take a moment on a
     # busy machine). A test after this one starts it again (local_ray).
     assert not wait_for_no_ray_servers(ray_owner)

@@ -28,6 +28,7 @@ def test_notebook_runs_in_smoke_mode(monkeypatch):
     assert "Ray node address: 127.0.0.1" in text
     assert "20 steps -> 16 five-step transitions" in text
     assert "evaluation returns: [" in text
+    assert "held-out evaluation of policy.keras (3 episodes): mean" in text
     assert "within [-2, 2]: True" in text
     assert len(notebooks.images(nb)) == 1
     # The kernel stopped its Ray: none of its servers is left (another job's may run meanwhile).

@@ -1,7 +1,8 @@
 """`python -m keras_replicator.applications.d4pg --env Pendulum-v1 --out DIR`: train D4PG.
 
-Writes `DIR/policy.keras`, `DIR/returns.csv`, `DIR/learning_curve.png` and `DIR/checkpoint.npz`
-(a second run with the same `--out` resumes from it).
+Writes `DIR/policy.keras`, `DIR/returns.csv`, `DIR/learning_curve.png`, `DIR/checkpoint.npz`
+(a second run with the same `--out` resumes from it) and `DIR/final_evaluation.json` (the saved
+policy on 100 held-out episodes).
 """
 
 from __future__ import annotations
@@ -37,8 +38,18 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"global batch (default {C.batch_size})")
     p.add_argument("--learning-rate", type=float, default=C.learning_rate,
                    help="Adam's, both networks (default: 1e-3 for Pendulum-v1, else 1e-4 as Acme)")
+    p.add_argument("--target-update-period", type=int, default=C.target_update_period,
+                   help="learner updates between target copies (default: 20 for Pendulum-v1, "
+                        "else 100 as Acme)")
+    p.add_argument("--pre-tanh-penalty", type=float, default=C.pre_tanh_penalty,
+                   help="penalty on the policy's pre-tanh outputs (default: 1e-3 for "
+                        "Pendulum-v1, else 0 as Acme)")
     p.add_argument("--eval-every", type=int, default=C.eval_every, help="env steps between evaluations")
-    p.add_argument("--eval-episodes", type=int, default=C.eval_episodes)
+    p.add_argument("--eval-episodes", type=int, default=C.eval_episodes,
+                   help=f"episodes of each learning-curve evaluation (default {C.eval_episodes})")
+    p.add_argument("--final-eval-episodes", type=int, default=C.final_eval_episodes,
+                   help="episodes of the final held-out evaluation of policy.keras "
+                        f"(default {C.final_eval_episodes})")
     p.add_argument("--ray-address", default=C.ray_address,
                    help="join this Ray cluster (default: a local instance on 127.0.0.1)")
     p.add_argument("--seed", type=int, default=C.seed)
@@ -79,10 +90,12 @@ def main(argv=None) -> int:
         kr.simulate_devices(config.replicas)
     from keras_replicator.applications.d4pg import training
 
-    rows = training.run(config)
-    if rows:
-        print(f"final evaluation return {rows[-1]['eval_return']:.1f} after "
-              f"{int(rows[-1]['env_steps'])} environment steps; outputs in {config.out_dir}")
+    training.run(config)
+    final = training.read_final_evaluation(config.out_dir)
+    if final:
+        print(f"held-out evaluation of policy.keras: mean {final['mean']:.1f} +- "
+              f"{final['std']:.1f} (worst {final['worst']:.1f}) over {final['episodes']} episodes "
+              f"after {final['env_steps']} environment steps; outputs in {config.out_dir}")
     return 0
 
 

@@ -52,6 +52,19 @@ def actor_sigmas(num_actors: int, low: float = 0.1, high: float = 0.5) -> list[f
     return [float(s) for s in np.linspace(low, high, num_actors)]
 
 
+def actor_seeds(seed: int, num_actors: int) -> list[int]:
+    """The seeds of the actors of a run seeded ``seed``: ``seed + 1000 * (i + 1)``.
+
+    Each actor seeds its environment's first reset and its noise with its own.
+
+    Example:
+        ```python
+        actor_seeds(0, 2)    # [1000, 2000]
+        ```
+    """
+    return [int(seed) + 1000 * (i + 1) for i in range(num_actors)]
+
+
 class Actor:
     """One environment and its noisy copy of the policy (wrapped by `ray.remote`)."""
 
@@ -158,6 +171,6 @@ def make_actors(env_id: str, num_actors: int, *, seed: int = 0, n_step: int = 5,
         raise ValueError(f"got {len(sigmas)} sigmas for {num_actors} actors.")
     remote = ray.remote(num_cpus=0, max_restarts=-1)(Actor)
     return [
-        remote.remote(env_id, seed + 1000 * (i + 1), sigmas[i], n_step, discount, reward_scale)
-        for i in range(num_actors)
+        remote.remote(env_id, actor_seed, sigmas[i], n_step, discount, reward_scale)
+        for i, actor_seed in enumerate(actor_seeds(seed, num_actors))
     ]

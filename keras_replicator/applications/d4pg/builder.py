@@ -44,7 +44,8 @@ REPLAY_CAPACITY = 1_000_000
 def check_arguments(config: D4PGConfig) -> D4PGConfig:
     """The checks that need neither the environment nor the devices (a bad value raises)."""
     ints = {"actors": 1, "env_steps": 1, "batch_size": 1, "seed": 0, "eval_every": 1,
-            "eval_episodes": 1, "min_replay_size": 1, "steps_per_call": 1}
+            "eval_episodes": 1, "final_eval_episodes": 1, "final_eval_seed": 0,
+            "min_replay_size": 1, "steps_per_call": 1}
     checked = {name: check_int(name, getattr(config, name), minimum=low) for name, low in ints.items()}
     checked["replicas"] = check_int("replicas", config.replicas, minimum=1, optional=True)
     checked["samples_per_insert"] = check_number(
@@ -53,16 +54,39 @@ def check_arguments(config: D4PGConfig) -> D4PGConfig:
     if checked["env_steps"] <= checked["min_replay_size"]:
         raise ValueError(f"env_steps ({config.env_steps}) must exceed min_replay_size "
                          f"({config.min_replay_size}): training starts once the replay holds that many.")
+    _check_held_out(checked)
     if not isinstance(config.out_dir, (str, os.PathLike)):
         raise ValueError(f"out_dir must be a path, got {config.out_dir!r}.")
     checked["learning_rate"] = check_number(
         "learning_rate", config.learning_rate, positive=True, optional=True
     )
+    checked["pre_tanh_penalty"] = check_number(
+        "pre_tanh_penalty", config.pre_tanh_penalty, non_negative=True, optional=True
+    )
+    checked["target_update_period"] = check_int(
+        "target_update_period", config.target_update_period, minimum=1, optional=True
+    )
     return dataclasses.replace(config, **checked)
 
 
+def _check_held_out(checked: dict) -> None:
+    """The held-out evaluation's reset seeds meet neither the curve's nor the actors'."""
+    start = checked["final_eval_seed"]
+    held_out = range(start, start + checked["final_eval_episodes"])
+    curve = range(environments.CURVE_EVAL_SEED,
+                  environments.CURVE_EVAL_SEED + checked["eval_episodes"])
+    actor_seeds = actors_lib.actor_seeds(checked["seed"], checked["actors"])
+    if (held_out.start < curve.stop and curve.start < held_out.stop) or any(
+            s in held_out for s in actor_seeds):
+        raise ValueError(
+            f"final_eval_seed {start} with final_eval_episodes {checked['final_eval_episodes']} "
+            f"must give reset seeds disjoint from the curve's ({curve.start}..{curve.stop - 1}) "
+            f"and the actors' ({', '.join(map(str, actor_seeds))}): the final evaluation is "
+            f"held out.")
+
+
 def check_config(config: D4PGConfig) -> D4PGConfig:
-    """``config`` checked, with its learning rate and replicas filled in.
+    """``config`` checked, with its learning rate, target update period and replicas filled in.
 
     Unknown environment ids and discrete action spaces fail here, and replicas
     the machine does not have, before Ray or TensorFlow does any work.
@@ -73,6 +97,13 @@ def check_config(config: D4PGConfig) -> D4PGConfig:
     if learning_rate is None:
         learning_rate = environments.LEARNING_RATES.get(config.env_id,
                                                         environments.DEFAULT_LEARNING_RATE)
+    period = config.target_update_period
+    if period is None:
+        period = environments.TARGET_UPDATE_PERIODS.get(config.env_id,
+                                                        environments.DEFAULT_TARGET_UPDATE_PERIOD)
+    penalty = config.pre_tanh_penalty
+    if penalty is None:
+        penalty = environments.PRE_TANH_PENALTIES.get(config.env_id, 0.0)
     import keras_replicator as kr
 
     devices = kr.local_devices()
@@ -84,7 +115,8 @@ def check_config(config: D4PGConfig) -> D4PGConfig:
         )
     if config.batch_size % replicas:
         raise ValueError(f"batch_size {config.batch_size} must be divisible by replicas {replicas}.")
-    return dataclasses.replace(config, learning_rate=learning_rate, replicas=replicas)
+    return dataclasses.replace(config, learning_rate=learning_rate, replicas=replicas,
+                               target_update_period=period, pre_tanh_penalty=penalty)
 
 
 def make_strategy(config: D4PGConfig):
@@ -102,6 +134,7 @@ def make_learner(config: D4PGConfig, strategy) -> D4PGLearner:
             spec.obs_dim, spec.low, spec.high, v_min=config.v_min, v_max=config.v_max,
             policy_layers=config.policy_layers, critic_layers=config.critic_layers,
             target_update_period=config.target_update_period,
+            pre_tanh_penalty=config.pre_tanh_penalty,
         )
         learner.compile(learning_rate=config.learning_rate)
     return learner

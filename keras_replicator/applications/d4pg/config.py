@@ -41,7 +41,12 @@ class D4PGConfig:
         seed: seeds the networks, the replay and the actors.
         ray_address: a Ray cluster to join (``None``: a local instance on 127.0.0.1).
         eval_every: environment steps between evaluations (and checkpoints).
-        eval_episodes: episodes of each evaluation of the deterministic policy.
+        eval_episodes: episodes of each evaluation of the learning curve (short: it reads a
+            trend; its starts are ``reset(seed=10_000 + i)``).
+        final_eval_episodes: episodes of the run's final, held-out evaluation of the saved
+            policy (``final_evaluation.json``; starts ``reset(seed=final_eval_seed + i)``).
+        final_eval_seed: the first reset seed of the held-out evaluation; its seeds must be
+            disjoint from the curve's and from the actors' (``seed + 1000 * (i + 1)``).
         min_replay_size: transitions in the replay before the first update.
         steps_per_call: environment steps of one actor call.
         n_step: the N of the N-step transitions.
@@ -50,7 +55,10 @@ class D4PGConfig:
         v_max: the critic's highest atom.
         learning_rate: Adam's, both networks (``None``: the task's, see
             ``environments.LEARNING_RATES``, else Acme's 1e-4).
-        target_update_period: learner updates between target network copies.
+        target_update_period: learner updates between target network copies (``None``: the
+            task's, see ``environments.TARGET_UPDATE_PERIODS``, else Acme's 100).
+        pre_tanh_penalty: the learner's penalty on the policy's pre-tanh outputs (``None``:
+            the task's, see ``environments.PRE_TANH_PENALTIES``, else 0 as Acme).
         policy_layers: the policy's hidden layer widths.
         critic_layers: the critic's hidden layer widths.
         verbose: print a line per evaluation.
@@ -68,6 +76,8 @@ class D4PGConfig:
     ray_address: str | None = None
     eval_every: int = 2_000
     eval_episodes: int = 10
+    final_eval_episodes: int = 100
+    final_eval_seed: int = 50_000
     min_replay_size: int = 1_000
     steps_per_call: int = 50
     n_step: int = 5
@@ -75,7 +85,8 @@ class D4PGConfig:
     v_min: float = -150.0
     v_max: float = 150.0
     learning_rate: float | None = None
-    target_update_period: int = 100
+    target_update_period: int | None = None
+    pre_tanh_penalty: float | None = None
     policy_layers: Sequence[int] = networks.POLICY_LAYERS
     critic_layers: Sequence[int] = networks.CRITIC_LAYERS
     verbose: bool = True

@@ -28,9 +28,20 @@ from keras_replicator.applications.d4pg._deps import require
 # Reward scale of known tasks (1.0 for any other).
 REWARD_SCALES = {"Pendulum-v1": 0.1}
 # Adam's learning rate where Acme's 1e-4 is too slow for the step budget of the docs: Pendulum
-# reaches -121 at 20k steps with 1e-3 and -1018 with 1e-4 (measured, docs/tutorials/d4pg.md).
+# reached -121 at 20k steps with 1e-3 and -1018 with 1e-4 on a 10-episode curve (docs/d4pg.md).
 LEARNING_RATES = {"Pendulum-v1": 1e-3}
 DEFAULT_LEARNING_RATE = 1e-4
+# Learner updates between target copies where a task's step budget allows few updates: at 32
+# samples per insert and batch 256 a 20k-step Pendulum run makes about 2,360 updates, so 100
+# gives 23 copies, each carrying values 5 steps (n-step) further back. Measured together with
+# the penalty below (docs/d4pg.md: 5 of 5 runs at -141 to -148 held-out).
+TARGET_UPDATE_PERIODS = {"Pendulum-v1": 20}
+DEFAULT_TARGET_UPDATE_PERIOD = 100
+# The learner's penalty on the policy's pre-tanh outputs (`D4PGLearner`), where a task needs one:
+# at learning rate 1e-3 a Pendulum policy saturated its tanh in 1 run of 5 (docs/d4pg.md).
+PRE_TANH_PENALTIES = {"Pendulum-v1": 1e-3}
+# The first reset seed of the learning curve's evaluations (episode i: CURVE_EVAL_SEED + i).
+CURVE_EVAL_SEED = 10_000
 
 
 class EnvSpec(NamedTuple):
@@ -124,7 +135,7 @@ def env_spec(env_id: str) -> EnvSpec:
     return EnvSpec(env_id, obs_dim, low, high, REWARD_SCALES.get(env_id, 1.0))
 
 
-def evaluate(env_id: str, policy_fn, episodes: int = 10, seed: int = 10_000) -> list[float]:
+def evaluate(env_id: str, policy_fn, episodes: int = 10, seed: int = CURVE_EVAL_SEED) -> list[float]:
     """Undiscounted returns of `policy_fn` (observation -> action) over whole episodes.
 
     Episode `i` starts from `reset(seed=seed + i)`, so every evaluation sees the same starts.

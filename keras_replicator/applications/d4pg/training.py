@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -31,9 +32,11 @@ from keras_replicator.applications.d4pg import builder, environments, networks
 from keras_replicator.applications.d4pg.config import D4PGConfig
 from keras_replicator.applications.d4pg.feeder import Feeder, make_dataset
 
-__all__ = ["CSV_FIELDS", "D4PGConfig", "Evaluation", "Feeder", "make_dataset", "run", "train"]
+__all__ = ["CSV_FIELDS", "D4PGConfig", "Evaluation", "Feeder", "make_dataset",
+           "read_final_evaluation", "run", "train"]
 
 CSV_FIELDS = ["env_steps", "wall_time_s", "updates", "eval_return", "eval_return_std"]
+FINAL_EVALUATION = "final_evaluation.json"
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
@@ -111,14 +114,48 @@ class Evaluation(keras.callbacks.Callback):
         if self.env_steps >= self.config.env_steps:
             self.model.stop_training = True
 
+    def _returns(self, episodes: int, seed: int) -> list[float]:
+        weights = self.learner.policy.get_weights()
+        return environments.evaluate(
+            self.config.env_id,
+            lambda o: networks.policy_forward_numpy(weights, o, self.low, self.high),
+            episodes=episodes, seed=seed,
+        )
+
+    def evaluate_held_out(self) -> dict:
+        """The final evaluation of the saved policy on the held-out starts (`final_evaluation.json`).
+
+        Its ``final_eval_episodes`` episodes start from ``reset(seed=final_eval_seed + i)``,
+        seeds that neither the curve's evaluations nor the actors use (`builder.check_config`).
+        """
+        config, steps = self.config, self.env_steps
+        returns = self._returns(config.final_eval_episodes, config.final_eval_seed)
+        updates = int(self.learner.updates.numpy())
+        result = {
+            "env_id": config.env_id, "seed": config.seed, "env_steps": steps, "updates": updates,
+            "updates_per_env_step": updates / max(steps, 1),
+            "wall_time_s": self.wall_offset + time.monotonic() - self.start,
+            "episodes": len(returns),
+            "reset_seeds": [config.final_eval_seed, config.final_eval_seed + len(returns) - 1],
+            "mean": float(np.mean(returns)), "std": float(np.std(returns)),
+            "worst": float(np.min(returns)), "best": float(np.max(returns)),
+            "load_average": list(os.getloadavg()), "returns": [float(r) for r in returns],
+        }
+        # The evaluated policy is the saved one: written together.
+        self.learner.policy.save(os.path.join(config.out_dir, "policy.keras"))
+        _runs.write_json(os.path.join(config.out_dir, FINAL_EVALUATION), result, indent=1)
+        if config.verbose:
+            print(f"held-out evaluation ({len(returns)} episodes, reset seeds "
+                  f"{result['reset_seeds'][0]}..{result['reset_seeds'][1]}): mean "
+                  f"{result['mean']:.1f} +- {result['std']:.1f}, worst {result['worst']:.1f}; "
+                  f"{updates} updates, {result['updates_per_env_step']:.3f} per environment step",
+                  flush=True)
+        return result
+
     def evaluate_and_save(self) -> dict:
         """One evaluation row, appended to `rows` and written with the policy and checkpoint."""
         config, steps = self.config, self.env_steps
-        weights = self.learner.policy.get_weights()
-        returns = environments.evaluate(
-            config.env_id, lambda o: networks.policy_forward_numpy(weights, o, self.low, self.high),
-            episodes=config.eval_episodes,
-        )
+        returns = self._returns(config.eval_episodes, environments.CURVE_EVAL_SEED)
         row = {"env_steps": steps, "wall_time_s": self.wall_offset + time.monotonic() - self.start,
                "updates": int(self.learner.updates.numpy()),
                "eval_return": float(np.mean(returns)),
@@ -147,6 +184,26 @@ class Evaluation(keras.callbacks.Callback):
             state = _checkpoint_state(self.learner, self.buffer, self.limiter,
                                       row["env_steps"], row["wall_time_s"])
         _runs.write_npz(os.path.join(out, "checkpoint.npz"), state)
+
+
+def _fit(strategy, learner, feeder: Feeder, evaluation: Evaluation, env_id: str) -> None:
+    """`learner.fit` on the feeder's `tf.data` pipeline, the pipeline's iterators closed after.
+
+    `fit`'s iterator over the `from_generator` dataset lives on in reference cycles until a
+    garbage collection; if that is the interpreter's exit, tf.data's finalizer of the generator
+    runs without Python ("Error occurred when finalizing GeneratorDataset iterator:
+    FAILED_PRECONDITION: Python interpreter state is not initialized"). So the dataset is
+    dropped and collected here, while the interpreter is whole.
+    """
+    spec = environments.env_spec(env_id)
+    dataset = make_dataset(strategy, feeder, spec.obs_dim, spec.action_dim)
+    try:
+        # One update per batch; the callback checks the step budget after every batch.
+        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, verbose=0,
+                    callbacks=[evaluation])
+    finally:
+        del dataset
+        gc.collect()
 
 
 def run(config: D4PGConfig) -> list[dict]:
@@ -185,17 +242,31 @@ def run(config: D4PGConfig) -> list[dict]:
                                      done_steps)
         evaluation = Evaluation(config, learner, feeder, buffer, limiter, rows=rows,
                                 done_steps=done_steps, wall_offset=wall_offset, start=start)
-        spec = environments.env_spec(config.env_id)
-        dataset = make_dataset(strategy, feeder, spec.obs_dim, spec.action_dim)
-        # One update per batch; the callback checks the step budget after every batch.
-        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, verbose=0, callbacks=[evaluation])
+        _fit(strategy, learner, feeder, evaluation, config.env_id)
         if evaluation.env_steps > (rows[-1]["env_steps"] if rows else -1):
             evaluation.evaluate_and_save()
+        evaluation.evaluate_held_out()
         feeder.drain()
     finally:
         if not config.keep_ray:
             actors_lib.stop_ray()
     return rows
+
+
+def read_final_evaluation(out_dir: str) -> dict | None:
+    """The held-out evaluation a run wrote (`final_evaluation.json`), None if there is none.
+
+    Keys: mean, std, worst, best, episodes, reset_seeds (first and last), returns, env_steps,
+    updates, updates_per_env_step, wall_time_s, load_average (at its end), seed, env_id.
+
+    Example:
+        ```python
+        final = read_final_evaluation("runs/pendulum")   # None until a run has finished
+        if final is not None:
+            print(final["mean"], final["worst"], final["episodes"])
+        ```
+    """
+    return _runs.read_json(os.path.join(out_dir, FINAL_EVALUATION))
 
 
 def train(env_id: str, out_dir: str, **fields: Any) -> list[dict]:
