@@ -299,6 +299,7 @@ PATCHES = [
     ScopedPatch(Trainer, "compile", _check_at_compile),
     ScopedPatch(TensorFlowTrainer, "_maybe_symbolic_build", _check_after_build),
     *(ScopedPatch(_Layer, name, _whole) for name in (
-        "get_weights", "set_weights", "save_own_variables", "load_own_variables",
-        "_check_load_own_variables")),
+        "get_weights", "set_weights", "save_own_variables", "load_own_variables")),
+    # From Keras 3.12 (absent before: nothing to patch there).
+    ScopedPatch(_Layer, "_check_load_own_variables", _whole, optional=True),
 ]
