@@ -37,6 +37,7 @@ def _package_files():
                 yield os.path.join(folder, name)
 
 
+@pytest.mark.core
 def test_installed_versions_are_within_the_checked_ranges():
     problems = _compat.unchecked_versions()
     assert not problems, "\n".join(problems)
@@ -113,6 +114,7 @@ def test_docstrings_use_markdown_not_sphinx_roles():
     assert not offenders, "write `name` instead of Sphinx roles:\n" + "\n".join(offenders)
 
 
+@pytest.mark.core
 def test_info_reports_versions_patch_ranges_and_devices():
     import subprocess
     import sys

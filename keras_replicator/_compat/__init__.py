@@ -36,6 +36,7 @@ installed version is outside the range a module was checked on.
 | `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run; `TFOptimizer.add_variable_from_reference` (a shard's slots under its placement); `Trainer.compile`, `TensorFlowTrainer._maybe_symbolic_build` (the unmatched-rule check) | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
 | `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.15 |
 | `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.15, TF 2.21 |
+| `keras_backports` | `keras.Variable`'s `synchronization` keyword (Keras 3.10+), the `tf.Variable` Keras creates; `data_adapters.is_tf_dataset` (a `DistributedDatasetsFromFunction` as `fit`'s input, Keras 3.9+); `Metric.add_variable` (on-read metric variables, Keras 3.10+) | feature-detected: the keyword where Keras takes it, else a `tf.variable_creator_scope` adding it (Keras 3.8, 3.9); installed patches, ours only, where Keras lacks the feature (3.8: both; 3.9: the metrics) | Keras 3.8-3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
@@ -93,6 +94,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_fsdp": ("keras", "3.15", "3.15"),
     "sharded_checkpoints": ("tensorflow", "2.21", "2.21"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
+    "keras_backports": ("keras", "3.8", "3.15"),
     "replica_trace": ("tensorflow", "2.21", "2.21"),
     "replica_invariance": ("tensorflow", "2.21", "2.21"),
     "keras_remat": ("keras", "3.15", "3.15"),
@@ -142,6 +144,7 @@ def _permanent():
     from keras_replicator._compat import (
         exhausted_step,
         host_iterator,
+        keras_backports,
         keras_checkpointing,
         keras_fsdp,
         keras_layouts,
@@ -156,6 +159,8 @@ def _permanent():
     )
 
     return patching.Patches([
+        # Keras 3.8: fit takes a DistributedDatasetsFromFunction of ours, as Keras 3.9+.
+        *keras_backports.PATCHES,
         *keras_trainer.PATCHES,
         *keras_xla.PATCHES,
         *keras_checkpointing.PATCHES,

@@ -65,11 +65,23 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
+def code_names(function: Any) -> set[str]:
+    """The names `function`'s code reads (its nested functions' too) and its string constants."""
+    return _code_names(inspect.unwrap(function).__code__)
+
+
 def _code_names(code: Any) -> set[str]:
+    """The names a code object (and the functions it defines) reads, and its string constants."""
     names = set(code.co_names)
-    for const in code.co_consts:
+    consts = list(code.co_consts)
+    while consts:
+        const = consts.pop()
         if inspect.iscode(const):
             names |= _code_names(const)
+        elif isinstance(const, str):
+            names.add(const)
+        elif isinstance(const, (tuple, frozenset)):  # a tuple of names, a call's keywords
+            consts.extend(const)
     return names
 
 
@@ -92,7 +104,7 @@ class Guard:
     def verify(self, patch: str) -> None:
         """Raises `IncompatiblePatchError` unless what `symbol` names is what `patch` was written for."""
         obj = self.get()
-        if any(obj is seen for seen in self._passed):
+        if any(obj is seen or (isinstance(obj, str) and obj == seen) for seen in self._passed):
             return
         problem = self.test(obj)
         if problem is not None:
@@ -110,7 +122,10 @@ def same_source(symbol: str, get: Callable[[], Any], known: dict[str, str],
     """A guard: `get()`'s source is one we copied or checked (`known`: fingerprint per minor)."""
 
     def test(obj: Any) -> str | None:
-        found = fingerprint(obj)
+        try:
+            found = fingerprint(obj)
+        except (OSError, TypeError):
+            return "its source cannot be read, so it cannot be compared with the one copied"
         if found in known.values():
             return None
         checked = ", ".join(f"{package} {v}: {h}" for v, h in sorted(known.items(), key=lambda kv: minor(kv[0])))
@@ -121,7 +136,7 @@ def same_source(symbol: str, get: Callable[[], Any], known: dict[str, str],
 
 
 def calls(symbol: str, get: Callable[[], Any], *callees: str) -> Guard:
-    """A guard: the function `get()` returns still calls (names) each of `callees`."""
+    """A guard: the function `get()` returns still calls (names, or holds as a string) each of `callees`."""
 
     def test(obj: Any) -> str | None:
         code = getattr(inspect.unwrap(obj), "__code__", None)
