@@ -193,7 +193,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
-        versions.warn_if_untested()  # a Keras or TensorFlow newer than any tested
+        versions.warn_if_untested(_compat.CHECKED)  # a Keras or TensorFlow newer than any tested
         tf_logging.install()  # before TensorFlow's engine logs its connection lines
         resolver = cluster.resolve_cluster(cluster_resolver, parameter_servers=True)
         if resolver is None:

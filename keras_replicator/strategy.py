@@ -310,7 +310,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             on_sigterm = preemption.default_mode()
         self.on_sigterm = check_choice("on_sigterm", on_sigterm, list(preemption.MODES))
         implementation = _COMMUNICATION[communication]
-        versions.warn_if_untested()  # a Keras or TensorFlow newer than any tested
+        versions.warn_if_untested(_compat.CHECKED)  # a Keras or TensorFlow newer than any tested
         tf_logging.install()  # before TensorFlow's engine logs "Using MirroredStrategy ..."
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)

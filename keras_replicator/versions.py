@@ -5,8 +5,8 @@ tests all read this module (it imports neither TensorFlow nor Keras: versions
 are read from the installed distributions' metadata).
 
 * **Supported** (`SUPPORTED`): TensorFlow 2.16-2.21 with Keras 3.8-3.15, every
-  minor of each axis tested (`TESTED`: the pairs the core subset of the suite
-  ran on).
+  minor of each axis in the matrix (`PAIRS`: the pairs the core subset of the
+  suite runs on, `make test-versions`).
 * **Below a floor**: `import keras_replicator` raises `UnsupportedVersionError`,
   naming the installed versions, the range, why the floor is where it is
   (`FLOOR_REASONS`) and the `pip install` that fixes it.
@@ -39,8 +39,9 @@ __all__ = [
     "FLOOR_REASONS",
     "IncompatiblePatchError",
     "OPT_OUT",
+    "CI_PAIRS",
+    "PAIRS",
     "SUPPORTED",
-    "TESTED",
     "Support",
     "UnsupportedVersionError",
     "UntestedVersionWarning",
@@ -72,26 +73,30 @@ FLOOR_REASONS: dict[str, str] = {
 # Setting this environment variable to 1 silences the warning above the tested ceiling.
 OPT_OUT = "KERAS_REPLICATOR_UNTESTED_OK"
 
-# The pairs the core subset of the suite (`pytest -m core`, `make test-versions`) ran on,
-# (tensorflow, keras): the newest Keras on each TensorFlow, the newest TensorFlow with each
-# Keras, and the pairs pip installs together. The full suite runs on the newest pair.
-TESTED: tuple[tuple[str, str], ...] = (
+# The matrix the core subset of the suite (`pytest -m core`) runs on, `make test-versions`,
+# (tensorflow, keras): the oldest pair, the newest Keras on each TensorFlow, and the newest
+# TensorFlow pip installs with each Keras (TensorFlow 2.20 requires keras>=3.10, 2.21
+# keras>=3.12, in their metadata; 2.16-2.19 take any Keras of the range). `.ci/run` runs the
+# full suite on the newest pair and the core subset on 2.16.2 + 3.8.0 and 2.19.1 + 3.10.0
+# (TensorFlow's last release with TPU support, with its Keras).
+PAIRS: tuple[tuple[str, str], ...] = (
     ("2.16.2", "3.8.0"),
     ("2.16.2", "3.15.1"),
     ("2.17.1", "3.15.1"),
     ("2.18.1", "3.15.1"),
+    ("2.19.1", "3.8.0"),
+    ("2.19.1", "3.9.2"),
     ("2.19.1", "3.10.0"),
     ("2.19.1", "3.15.1"),
+    ("2.20.0", "3.10.0"),
+    ("2.20.0", "3.11.3"),
     ("2.20.0", "3.15.1"),
-    ("2.21.0", "3.8.0"),
-    ("2.21.0", "3.9.2"),
-    ("2.21.0", "3.10.0"),
-    ("2.21.0", "3.11.3"),
     ("2.21.0", "3.12.4"),
     ("2.21.0", "3.13.2"),
     ("2.21.0", "3.14.1"),
     ("2.21.0", "3.15.1"),
 )
+CI_PAIRS: tuple[tuple[str, str], ...] = (("2.16.2", "3.8.0"), ("2.19.1", "3.10.0"))
 
 # Distribution names that install each package's modules.
 _DISTRIBUTIONS = {
@@ -204,28 +209,26 @@ def refuse_unsupported() -> None:
         raise UnsupportedVersionError(support.message)
 
 
-def untested_modules(support: Support) -> list[str]:
-    """The `_compat` modules checked only on versions older than the installed ones."""
-    from keras_replicator import _compat
-
+def untested_modules(support: Support, checked: dict[str, tuple[str, str, str]]) -> list[str]:
+    """The modules of `checked` (`_compat.CHECKED`) checked only on versions older than installed."""
     names = []
-    for module, (package, _, high) in _compat.CHECKED.items():
+    for module, (package, _, high) in checked.items():
         version = support.versions.get(package)
         if package in support.above and version is not None and minor(version) > minor(high):
             names.append(module)
     return names
 
 
-def warn_if_untested() -> None:
+def warn_if_untested(checked: dict[str, tuple[str, str, str]]) -> None:
     """Warns (`UntestedVersionWarning`) above a tested ceiling, unless `OPT_OUT` is set to 1.
 
-    A strategy calls it when made.
+    A strategy calls it when made, with `_compat.CHECKED` (each private-API module's range).
     """
     if os.environ.get(OPT_OUT, "") == "1":
         return
     support = check()
     if support.status != "untested":
         return
-    modules = ", ".join(untested_modules(support)) or "none"
+    modules = ", ".join(untested_modules(support, checked)) or "none"
     warnings.warn(f"{support.message} Modules checked on older versions only: {modules}.",
                   UntestedVersionWarning, stacklevel=3)

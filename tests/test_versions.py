@@ -89,15 +89,20 @@ def test_check_decides_each_side_of_the_range():
     assert versions.minor("3.16.0.dev2026082103") == (3, 16) and versions.minor("2.21") == (2, 21)
 
 
-def test_the_tested_pairs_cover_every_minor_of_both_axes():
+def test_the_matrix_covers_every_minor_of_both_axes_from_the_oldest_pair():
     def minors(low, high):
         (major, a), (_, b) = versions.minor(low), versions.minor(high)
         return {(major, m) for m in range(a, b + 1)}
 
-    tested_tf = {versions.minor(tf) for tf, _ in versions.TESTED}
-    tested_keras = {versions.minor(k) for _, k in versions.TESTED}
+    tested_tf = {versions.minor(tf) for tf, _ in versions.PAIRS}
+    tested_keras = {versions.minor(k) for _, k in versions.PAIRS}
     assert tested_tf == minors(*versions.SUPPORTED["tensorflow"])
     assert tested_keras == minors(*versions.SUPPORTED["keras"])
+    oldest = tuple(versions.minor(low) for low, _ in versions.SUPPORTED.values())
+    assert tuple(versions.minor(v) for v in versions.CI_PAIRS[0]) == oldest
+    assert set(versions.CI_PAIRS) <= set(versions.PAIRS)
+    for pair in versions.PAIRS:
+        assert versions.check(dict(zip(("tensorflow", "keras"), pair))).status == "supported"
 
 
 def test_above_the_ceiling_a_strategy_warns_naming_the_untested_modules(monkeypatch):

@@ -1,8 +1,8 @@
 """The core subset (`pytest -m core`) on TensorFlow x Keras pairs, each in its own venv.
 
-Usage: `python -m tests.versions [--pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--json PATH]`
-(`make test-versions` runs every pair of `keras_replicator.versions.TESTED`; `.ci/run`
-the oldest and TF 2.19.1 + Keras 3.10).
+Usage: `python -m tests.versions [--ci | --pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--json PATH]`
+(`make test-versions` runs every pair of `keras_replicator.versions.PAIRS`; `.ci/run`
+`--ci`: `versions.CI_PAIRS`, the oldest and TF 2.19.1 + Keras 3.10).
 
 Each TensorFlow minor gets one venv, `.venvs/tf<minor>/` (`.venvs/tf2.16/`) (ignored by git), made
 with `python -m venv` and `pip install` of the pair pinned and the core subset's test
@@ -31,17 +31,18 @@ TEST_DEPENDENCIES = ("pytest>=7", "pytest-timeout>=2.1", "psutil>=5.9")
 _CORE = "pytest.mark.core"
 
 
-def tested_pairs() -> list[tuple[str, str]]:
-    """`keras_replicator.versions.TESTED`, read without importing the package (no TensorFlow)."""
+def _versions_module():
+    """`keras_replicator.versions`, read without importing the package (no TensorFlow)."""
+    import importlib.util
+
     sys.path.insert(0, ROOT)
     try:
-        import importlib.util
-
         spec = importlib.util.spec_from_file_location(
             "_kr_versions", os.path.join(ROOT, "keras_replicator", "versions.py"))
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up)
         spec.loader.exec_module(module)
-        return list(module.TESTED)
+        return module
     finally:
         sys.path.pop(0)
 
@@ -97,11 +98,13 @@ def run_pair(tensorflow: str, keras: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", help="comma-separated tensorflow:keras versions (default: TESTED)")
+    parser.add_argument("--pairs", help="comma-separated tensorflow:keras versions (default: PAIRS)")
+    parser.add_argument("--ci", action="store_true", help="the pairs CI runs (versions.CI_PAIRS)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    module = _versions_module()
     pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs
-             else tested_pairs())
+             else module.CI_PAIRS if args.ci else module.PAIRS)
     results = []
     for tensorflow, keras in pairs:
         result = run_pair(tensorflow, keras)
