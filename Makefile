@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TF_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: demo test lint docs notebooks bench bench-quick bench-d4pg bench-sngan bench-peers clean
+.PHONY: demo test test-versions test-versions-ci lint docs notebooks bench bench-quick bench-d4pg bench-sngan bench-peers clean
 
 # A .venv made before the `cpu` extra installed `tensorflow` holds `tensorflow-cpu`: the same
 # package under another name, sharing its files. Both names are removed first, so that the
@@ -24,6 +24,15 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m tests.run_suite
+
+# The core subset (tests marked `core`) on every TensorFlow x Keras pair of the supported range
+# (keras_replicator/versions.py PAIRS), each TensorFlow in its own venv under .venvs/ (pip's
+# cache keeps a rerun fast); -ci: the oldest pair and TF 2.19.1 + Keras 3.10 only.
+test-versions:
+	$(PYTHON) -m tests.versions
+
+test-versions-ci:
+	$(PYTHON) -m tests.versions --ci
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check keras_replicator tests examples $(wildcard benchmarks)

@@ -52,6 +52,11 @@ if _COMMAND_LINE:
         return globals()[name]
 
 else:
+    from keras_replicator import versions
+
+    # Below the supported range: one error naming the versions, the range, why and the fix.
+    versions.refuse_unsupported()
+
     from keras_replicator import _api, _compat
     from keras_replicator._api import *  # noqa: F403
 

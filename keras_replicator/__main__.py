@@ -22,6 +22,12 @@ _Number = TypeVar("_Number", int, float)
 
 
 def _info(args: argparse.Namespace) -> int:
+    from keras_replicator import versions
+
+    support = versions.check()
+    if support.status == "unsupported":
+        print(support.message, file=sys.stderr)  # the same message as `import keras_replicator`
+        return 1
     import keras
     import tensorflow as tf
 
@@ -31,6 +37,7 @@ def _info(args: argparse.Namespace) -> int:
         kr.simulate_devices(args.simulate)
     print(f"keras_replicator {kr.__version__}")
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    print(f"versions: {support.status}: {support.message}")
     from keras_replicator import _compat
 
     problems = _compat.unchecked_versions()

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from keras_replicator import _announce, _compat, cluster
+from keras_replicator import _announce, _compat, cluster, versions
 from keras_replicator._compat import tf_data, tf_logging
 from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.errors import ParameterServerLostError
@@ -193,6 +193,7 @@ class AsyncReplicatorStrategy(tf.distribute.ParameterServerStrategy):
                 "variable_partitioner must be a tf.distribute.experimental.partitioners.Partitioner "
                 f"such as MinSizePartitioner(...), got {variable_partitioner!r}."
             )
+        versions.warn_if_untested(_compat.CHECKED)  # a Keras or TensorFlow newer than any tested
         tf_logging.install()  # before TensorFlow's engine logs its connection lines
         resolver = cluster.resolve_cluster(cluster_resolver, parameter_servers=True)
         if resolver is None:

@@ -24,17 +24,25 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator._validation import ArgumentError
+from keras_replicator.versions import (
+    IncompatiblePatchError,
+    UnsupportedVersionError,
+    UntestedVersionWarning,
+)
 
 __all__ = [
     "ArgumentError",
     "ClusterConfigError",
     "ClusterStartupError",
     "DeviceConfigurationError",
+    "IncompatiblePatchError",
     "LayoutError",
     "LayoutWarning",
     "ParameterServerLostError",
     "ReplicaDivergenceError",
     "ResumeError",
+    "UnsupportedVersionError",
+    "UntestedVersionWarning",
     "WorkerLostError",
 ]
 

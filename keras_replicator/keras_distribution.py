@@ -220,3 +220,7 @@ def follow(distribution: Any, set_distribution: Any) -> None:
         scope = strategy.scope()
         scope.__enter__()
         _entered.value = (strategy, scope, tf.compat.v1.get_default_graph())
+
+
+# The patched `keras.distribution.set_distribution` (`_compat.keras_distribution`) calls `follow`.
+keras_distribution.register(follow)

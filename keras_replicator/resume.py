@@ -99,23 +99,24 @@ def input_position(distributed_dataset) -> InputPosition | None:
     return None if found is None else found[0]
 
 
-def advance_shuffles(distributed_dataset, draws: int) -> bool:
+def advance_shuffles(distributed_dataset, draws: int) -> int | None:
     """Moves every reshuffling ``shuffle`` of its pipelines ``draws`` epoch orders ahead.
 
     Makes ``draws`` iterators of each reshuffling ``shuffle`` this process's pipelines
-    read from and drops them (no element is read). False, and nothing done, for a
-    dataset `keras_replicator.data` did not make.
+    read from and drops them (no element is read). Returns how many shuffles it
+    advanced (0: the pipelines hold none); None, and nothing done, for a dataset
+    `keras_replicator.data` did not make.
 
     Example:
         ```python
         ds = tf.data.Dataset.range(8).shuffle(8, seed=7)
         train = strategy.distribute_dataset(ds, global_batch_size=4)
-        kr.resume.advance_shuffles(train, 2)   # the next iterator reads a third epoch's order
+        kr.resume.advance_shuffles(train, 2)   # 1 shuffle: the next iterator reads a third epoch's order
         ```
     """
     found = _found(distributed_dataset)
     if found is None:
-        return False
+        return None
     check_int("draws", draws, minimum=0)
     # The shuffles themselves: an iterator of one draws from the generator the whole pipeline's
     # iterators draw from, and costs about 1 ms (one of the whole pipeline: tens of ms).
@@ -123,7 +124,7 @@ def advance_shuffles(distributed_dataset, draws: int) -> bool:
     for shuffle in shuffles.values():
         for _ in range(draws):
             iter(shuffle)
-    return True
+    return len(shuffles)
 
 
 def data_state(epoch_draw: int | None, position: InputPosition | None, replicas: int, workers: int) -> dict:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-from keras_replicator import _announce, _compat, cluster, data
+from keras_replicator import _announce, _compat, cluster, data, versions
 from keras_replicator._compat import engines, keras_trainer, preemption, short_batches, tf_logging
 from keras_replicator._validation import (
     ArgumentError,
@@ -326,6 +326,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             on_sigterm = preemption.default_mode()
         self.on_sigterm = check_choice("on_sigterm", on_sigterm, list(preemption.MODES))
         implementation = _COMMUNICATION[communication]
+        versions.warn_if_untested(_compat.CHECKED)  # a Keras or TensorFlow newer than any tested
         tf_logging.install()  # before TensorFlow's engine logs "Using MirroredStrategy ..."
         cluster.simulate_devices_from_env()
         resolver = cluster.resolve_cluster(cluster_resolver)

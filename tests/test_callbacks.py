@@ -198,6 +198,7 @@ else:
 """
 
 
+@pytest.mark.core
 def test_resume_on_fewer_replicas_with_backup_and_restore(tmp_path):
     backup = str(tmp_path / "backup")
     def script(phase):

@@ -160,6 +160,7 @@ def strategy():
 
 
 # 450 examples, global batch 64, 4 replicas: the last batch has 2 examples, fewer than replicas.
+@pytest.mark.core
 @pytest.mark.parametrize("via", ["distribute_dataset", "numpy", "loop"])
 def test_every_example_exactly_once_per_epoch(strategy, via):
     check_exactly_once(strategy, via=via)

@@ -37,6 +37,8 @@ from keras_replicator import launch as launcher
 from tests import equivalence_matrix_job as job
 from tests.helpers import ROOT, launch_env
 
+pytestmark = pytest.mark.core  # the whole matrix runs on every supported pair (make test-versions)
+
 JOB = os.path.join(ROOT, "tests", "equivalence_matrix_job.py")
 TOLERANCE = 1e-6
 UNKNOWN_CARDINALITY = ("generator", "filtered")

@@ -81,6 +81,7 @@ def assert_trained_as_one_device(reference, reference_losses, replicated, losses
     assert losses[-1] < losses[0]  # it learns
 
 
+@pytest.mark.core
 def test_bert_classifier_from_strings(bert_tokenizer):
     def build():
         model = hub.bert_classifier(bert_tokenizer)

@@ -73,6 +73,7 @@ def build_under(strategy, make):
 # --- forward and moving statistics --------------------------------------------------
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("axis", [-1, 1])
 def test_forward_matches_keras_batch_norm_on_the_global_batch(strategy, axis):
     rng = np.random.default_rng(0)
@@ -175,6 +176,7 @@ def trained(strategy):
     return converted, reference, data
 
 
+@pytest.mark.core
 def test_training_matches_one_device_keras_batch_norm(trained):
     model, reference, _ = trained
     assert sum(isinstance(layer, kr.layers.GlobalBatchNormalization) for layer in model.layers) == 2
@@ -186,6 +188,7 @@ def test_training_matches_one_device_keras_batch_norm(trained):
     assert len(moving) == 4 and all(np.abs(w.numpy() - i % 2).max() > 1e-2 for i, w in enumerate(moving))
 
 
+@pytest.mark.core
 def test_model_trained_on_replicas_saves_and_loads_on_one_device(trained, tmp_path):
     model, reference, (x, _) = trained
     path = str(tmp_path / "model.keras")

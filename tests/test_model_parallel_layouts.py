@@ -143,7 +143,7 @@ def spy_attention_by_heads(monkeypatch) -> list:
     pytest.param((1, 4), "mlp", "sgd", id="1x4-mlp-sgd"),
     pytest.param((1, 4), "mlp", "adamw", id="1x4-mlp-adamw"),
     pytest.param((2, 2), "mlp", "sgd", id="2x2-mlp-sgd"),
-    pytest.param((2, 2), "mlp", "adamw", id="2x2-mlp-adamw"),
+    pytest.param((2, 2), "mlp", "adamw", id="2x2-mlp-adamw", marks=pytest.mark.core),
     pytest.param((1, 4), "transformer", "sgd", id="1x4-transformer-sgd"),
     pytest.param((1, 4), "transformer", "adamw", id="1x4-transformer-adamw"),
     pytest.param((2, 2), "transformer", "sgd", id="2x2-transformer-sgd"),
@@ -241,6 +241,7 @@ def test_any_other_use_gathers_the_whole_tensor():
     np.testing.assert_allclose(np.concatenate(grads, axis=1), want_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.core
 def test_save_on_2x2_load_on_one_device_and_back(tmp_path):
     """`save_weights` and `model.save` from (2, 2) write whole tensors: one device loads them."""
     strategy = kr.ReplicatorStrategy(layout_map=transformer_layout(mesh(2, 2)))

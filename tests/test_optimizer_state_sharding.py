@@ -105,6 +105,7 @@ def test_each_optimizer_equals_unsharded_and_holds_a_quarter_per_device(name):
         assert held - scalars <= bound, (device, held, slots)
 
 
+@pytest.mark.core
 def test_slots_live_on_their_owner_only_and_are_whole():
     strategy = kr.ReplicatorStrategy(shard_optimizer_state=True)
     with strategy.scope():

@@ -96,6 +96,8 @@ def test_remat_scope_eagerly(reference):
     assert_same_run(train(remat={"mode": "full"}, run_eagerly=True), reference)
 
 
+@pytest.mark.core
+@pytest.mark.skipif(not hasattr(keras, "RematScope"), reason="keras.RematScope is from Keras 3.9")
 @pytest.mark.parametrize("trace_once", [True, False], ids=["traced_once", "per_replica"])
 def test_remat_scope_under_the_strategy_trains_as_one_device(trace_once, reference):
     strategy = kr.ReplicatorStrategy(trace_once=trace_once)

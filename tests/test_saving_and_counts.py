@@ -30,6 +30,7 @@ def test_num_replicas_answers_the_strategy_count_in_its_scope():
     assert kr.num_replicas() == 1
 
 
+@pytest.mark.core
 def test_save_model_writes_on_one_machine(tmp_path):
     strategy = kr.ReplicatorStrategy()
     x, y = regression_data(32)

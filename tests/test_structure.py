@@ -37,6 +37,7 @@ def _package_files():
                 yield os.path.join(folder, name)
 
 
+@pytest.mark.core
 def test_installed_versions_are_within_the_checked_ranges():
     problems = _compat.unchecked_versions()
     assert not problems, "\n".join(problems)
@@ -113,6 +114,7 @@ def test_docstrings_use_markdown_not_sphinx_roles():
     assert not offenders, "write `name` instead of Sphinx roles:\n" + "\n".join(offenders)
 
 
+@pytest.mark.core
 def test_info_reports_versions_patch_ranges_and_devices():
     import subprocess
     import sys
@@ -240,3 +242,56 @@ def test_importing_the_package_patches_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "KR_TEST_DEVICES": "1"})
     assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-3000:]
+
+
+# --- import cycles, counting imports inside functions (lazy) ---------------------------
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each keras_replicator module -> the keras_replicator modules it imports, anywhere in it.
+
+    `from package import name` counts as importing the submodule `package.name` where there
+    is one (not the package's `__init__`).
+    """
+    modules = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                modules[dotted.removesuffix(".__init__")] = path
+    graph = {}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+        graph[module] = {m for m in found if m in modules and m != module}
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, stack = set(), [start]
+    while stack:
+        module = stack.pop()
+        if module == goal:
+            return True
+        if module not in seen:
+            seen.add(module)
+            stack.extend(graph[module])
+    return False
+
+
+def test_compat_hands_nothing_back_to_keras_distribution():
+    """`_compat.keras_distribution` gets `follow` registered by the public module (issue 52):
+    no import path, lazy ones included, leads from it back to `keras_replicator.keras_distribution`."""
+    graph = _import_graph()
+    assert not _reaches(graph, "keras_replicator._compat.keras_distribution",
+                        "keras_replicator.keras_distribution")
+    assert not _reaches(graph, "keras_replicator.versions", "keras_replicator._compat")

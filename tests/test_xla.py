@@ -59,6 +59,7 @@ def one_device():
     return _fit(None)
 
 
+@pytest.mark.core
 def test_n_replicas_with_xla_equal_one_device_with_xla(one_device):
     model, losses = _fit(kr.ReplicatorStrategy())
     assert model.distribute_strategy.num_replicas_in_sync == 4 and model.jit_compile
@@ -147,6 +148,7 @@ def _global_bn_model():
     return keras.Model(inputs, keras.layers.Dense(4)(h))
 
 
+@pytest.mark.core
 def test_global_batch_norm_equals_one_device_and_plain_batch_norm_trains():
     # One device: GlobalBatchNormalization is plain batch norm over the global batch, so the
     # replicated model equals it up to the plain BatchNormalization (local statistics).

@@ -3,7 +3,10 @@
 Nothing outside this package imports `tensorflow.python`, `keras.src` or reads a
 private attribute of a TensorFlow or Keras object. A TensorFlow or Keras upgrade
 is checked here: `tests/test_structure.py` fails, naming the module, when an
-installed version is outside the range a module was checked on.
+installed version is outside the range a module was checked on. "Checked on" is
+the range the core subset of the suite ran on (`make test-versions`,
+`keras_replicator.versions.PAIRS`; the full suite on the newest pair), and each
+patch's guards check what it patches on whatever is installed.
 
 | module | what it touches | how | checked on |
 |---|---|---|---|
@@ -12,31 +15,32 @@ installed version is outside the range a module was checked on.
 | `engines` | `MirroredExtended`, `CollectiveAllReduceExtended` | subclasses overriding private methods | TF 2.16-2.21 |
 | `distributed_values` | `PerReplica`, `Mirrored`, destination devices | constructors | TF 2.16-2.21 |
 | `all_reduce_gradient` | `ReplicaContext.all_reduce` | scoped patch (strategy scope) | TF 2.16-2.21 |
-| `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | installed patch, ours only: no autotuning thread to join at every epoch | TF 2.21 |
-| `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.21 |
+| `multi_device_iterator` | per-replica input iterators (`_create_device_dataset`, `OwnedMultiDeviceIterator`, distributed datasets' `__iter__`) | installed patch, ours only: no autotuning thread to join at every epoch | TF 2.16-2.21 |
+| `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.16-2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
-| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.15 |
+| `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.8-3.15 |
 | `keras_losses` | `TensorFlowTrainer.train_step` / `test_step` (the default steps), `Trainer._compute_loss` / `compute_loss` (the base methods), `TensorFlowTrainer._aggregate_additional_loss`, `keras.src.losses.loss.reduce_values` / `unscale_loss_for_distribution` | installed patch, ours only: every loss term one device's value on the replica's rows, the total's gradient multiplied by the replica's share of the batch (a scalar loss function, a loss object in `add_loss`, per-sample `add_loss`, `mean_with_sample_weight`, unequal shares) | Keras 3.15 |
-| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; each backup a new folder committed by a pointer written last, the newest whole one restored: `keras_replicator.backup_commits`; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`), `Model.save` / `save_weights` (a temporary file renamed over the target: `keras_replicator.atomic_files`) | installed patch, ours only (committed backups: `AsyncReplicatorStrategy` too) | Keras 3.15 |
-| `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.15 |
-| `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.21 |
-| `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.15 |
-| `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.15 |
-| `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.15 |
-| `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.15 |
-| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.21, Keras 3.15 |
-| `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.15 |
-| `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.15, TF 2.21 |
-| `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.21 |
-| `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.21 |
-| `exhausted_step` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util`; `TensorFlowTrainer.make_train_function` | installed patch, ours only, `steps_per_execution=1`: the train function's step traced once records its input-free side effects (a copy of those ops per replica), which run when a call finds the iterator exhausted, as one device's inlined step runs them | Keras 3.15, TF 2.21 |
-| `effects_before_fetch` | a traced step's `FuncGraph` (as `exhausted_step`, and `structured_outputs`), `ConcreteFunction._call_flat`, `FuncGraph.captures`, `Operation._add_control_inputs`, the `_noinline` function attribute | when `strategy.run`'s inputs come from an iterator's fetch ops in the caller's graph (a custom loop): the step traced once split in two, its input-free side effects called per replica before the fetch (control inputs of the fetch ops), the rest with the inputs, as one device's inlined step runs them on an exhausted iterator | TF 2.21 |
-| `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.21 |
-| `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); `AutocastScope`, `get_autocast_scope` (a variable's stored value; the forward's autocast for the recomputation) | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); a built layer's variables read once before the forward, forward and recomputation under `keras.StatelessScope` with those values, the forward's assignments applied once, the recomputation under the forward's autocast (a read again in the gradient could follow the optimizer's update: Grappler's dependency optimizer drops its ordering edge) | Keras 3.15, TF 2.21 |
-| `keras_distribution` | `keras.distribution.set_distribution` and `distribute_tensor` (where Keras defines and binds them); `ModelParallel._layout_map` | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` or `ModelParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices or its layouts, what cannot run is an error (`keras_replicator.keras_distribution`); `distribute_tensor` (which the TensorFlow backend lacks: KerasHub's `generate`) returns its tensor in our scope | Keras 3.15 |
-| `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run; `TFOptimizer.add_variable_from_reference` (a shard's slots under its placement); `Trainer.compile`, `TensorFlowTrainer._maybe_symbolic_build` (the unmatched-rule check) | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.15 |
-| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.15 |
-| `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.15, TF 2.21 |
+| `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; each backup a new folder committed by a pointer written last, the newest whole one restored: `keras_replicator.backup_commits`; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`), `Model.save` / `save_weights` (a temporary file renamed over the target: `keras_replicator.atomic_files`) | installed patch, ours only (committed backups: `AsyncReplicatorStrategy` too) | Keras 3.8-3.15 |
+| `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.8-3.15 |
+| `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.16-2.21 |
+| `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.8-3.15 |
+| `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.8-3.15 |
+| `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.8-3.15 |
+| `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.8-3.15 |
+| `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.16-2.21, Keras 3.8-3.15 |
+| `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.8-3.15 |
+| `keras_sharded_optimizer` | `TFOptimizer.build`, `add_variable_from_reference`, `add_variable`, `_apply_weight_decay`, `_backend_update_step`; a mirrored variable's local copy | installed patch, ours with `shard_optimizer_state=True` only: slots on their owner replica, the owner's update, an all-gather | Keras 3.8-3.15, TF 2.16-2.21 |
+| `replica_trace` | `mirrored_run` (its replica context; per-replica tracing stays the fallback), `MirroredExtended._use_merge_call` / `_get_cross_device_ops` (via `engines`), `values.apply_aggregation_replica_context`, `Graph._apply_device_functions`, `ConcreteFunction._call_flat` with swapped captures, the `_disable_acd` and `_noinline` function attributes, `context.function_call_options` (the calls' Grappler settings) | scoped patches while the one trace runs; the engines call it for `strategy.run`: the replica step traced once, called per device | TF 2.16-2.21 |
+| `tape_gradient_device` | `backprop._gradient_function` (registered with the C++ tape) | installed patch, ours with `devices_per_replica > 1` only: an op's gradient built on the op's device, not in the replica's device scope | TF 2.16-2.21 |
+| `exhausted_step` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph.create_op`, `handle_data_util`; `TensorFlowTrainer.make_train_function` | installed patch, ours only, `steps_per_execution=1`: the train function's step traced once records its input-free side effects (a copy of those ops per replica), which run when a call finds the iterator exhausted, as one device's inlined step runs them | Keras 3.8-3.15, TF 2.16-2.21 |
+| `effects_before_fetch` | a traced step's `FuncGraph` (as `exhausted_step`, and `structured_outputs`), `ConcreteFunction._call_flat`, `FuncGraph.captures`, `Operation._add_control_inputs`, the `_noinline` function attribute | when `strategy.run`'s inputs come from an iterator's fetch ops in the caller's graph (a custom loop): the step traced once split in two, its input-free side effects called per replica before the fetch (control inputs of the fetch ops), the rest with the inputs, as one device's inlined step runs them on an exhausted iterator | TF 2.16-2.21 |
+| `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.16-2.21 |
+| `keras_remat` | the TensorFlow backend's `remat` (`keras.remat`, `keras.RematScope`); `AutocastScope`, `get_autocast_scope` (a variable's stored value; the forward's autocast for the recomputation) | installed patch (Keras-API set, on `import keras_replicator`), every caller: the call's float tensors passed positionally to `tf.recompute_grad`, the rest in a closure (graph-mode custom gradients refuse keywords, keras#21207); a built layer's variables read once before the forward, forward and recomputation under `keras.StatelessScope` with those values, the forward's assignments applied once, the recomputation under the forward's autocast (a read again in the gradient could follow the optimizer's update: Grappler's dependency optimizer drops its ordering edge) | Keras 3.8-3.15, TF 2.16-2.21 |
+| `keras_distribution` | `keras.distribution.set_distribution` and `distribute_tensor` (where Keras defines and binds them); `ModelParallel._layout_map` | installed patch (Keras-API set, on `import keras_replicator`): a `DataParallel` or `ModelParallel` enters the thread's scope of a `ReplicatorStrategy` over its devices or its layouts, what cannot run is an error (`keras_replicator.keras_distribution`); `distribute_tensor` (which the TensorFlow backend lacks: KerasHub's `generate`) returns its tensor in our scope | Keras 3.8-3.15 |
+| `keras_layouts` | `Layer.add_weight` (the variable's path from Keras's name scope), `Dense`/`EinsumDense`/`Embedding`/`MultiHeadAttention.call` (MHA's `_compute_attention_mask`, `_compute_attention`, `_use_gate`, Keras masks), the layers' `_kernel`/`_embeddings`, `_trainable_variables`/`_non_trainable_variables` while `get_weights`, `set_weights`, `save_own_variables`, `load_own_variables`, `_check_load_own_variables` run; `TFOptimizer.add_variable_from_reference` (a shard's slots under its placement); `Trainer.compile`, `TensorFlowTrainer._maybe_symbolic_build` (the unmatched-rule check) | scoped patch (`add_weight`: strategy scope or `ModelSharding.scope()`), installed patches acting only on layers holding a `ShardedVariable`: a `LayoutMap`'s shards, the parallel layer rules, unsharded saving | Keras 3.8-3.15 |
+| `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.8-3.15 |
+| `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.8-3.15, TF 2.16-2.21 |
+| `keras_backports` | `keras.Variable`'s `synchronization` keyword (Keras 3.10+), the `tf.Variable` Keras creates; `data_adapters.is_tf_dataset` (a `DistributedDatasetsFromFunction` as `fit`'s input, Keras 3.9+); `Metric.add_variable` (on-read metric variables, Keras 3.10+) | feature-detected: the keyword where Keras takes it, else a `tf.variable_creator_scope` adding it (Keras 3.8, 3.9); installed patches, ours only, where Keras lacks the feature (3.8: both; 3.9: the metrics) | Keras 3.8-3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 | `short_batches` | `BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`, `reduction_metrics.Mean`/`Sum.update_state`; the elements of datasets Keras's epoch iterator distributes | installed patches acting only inside a step run from a `PaddedBatch` (`ReplicatorStrategy.run`): a replica's loss weighted by its real rows, a padding replica's metric updates weigh 0 | Keras 3.15 |
 
@@ -77,32 +81,33 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "engines": ("tensorflow", "2.16", "2.21"),
     "distributed_values": ("tensorflow", "2.16", "2.21"),
     "all_reduce_gradient": ("tensorflow", "2.16", "2.21"),
-    "multi_device_iterator": ("tensorflow", "2.21", "2.21"),
-    "host_iterator": ("tensorflow", "2.21", "2.21"),
+    "multi_device_iterator": ("tensorflow", "2.16", "2.21"),
+    "host_iterator": ("tensorflow", "2.16", "2.21"),
     "tf_data": ("tensorflow", "2.16", "2.21"),
-    "keras_trainer": ("keras", "3.15", "3.15"),
+    "keras_trainer": ("keras", "3.8", "3.15"),
     "keras_losses": ("keras", "3.15", "3.15"),
-    "keras_checkpointing": ("keras", "3.15", "3.15"),
-    "keras_xla": ("keras", "3.15", "3.15"),
-    "preemption": ("tensorflow", "2.21", "2.21"),
-    "mid_epoch_resume": ("keras", "3.15", "3.15"),
-    "keras_batch_norm": ("keras", "3.15", "3.15"),
-    "keras_seed_generator": ("keras", "3.15", "3.15"),
-    "keras_initial_epoch": ("keras", "3.15", "3.15"),
-    "keras_optimizer": ("keras", "3.15", "3.15"),
-    "keras_sharded_optimizer": ("keras", "3.15", "3.15"),
-    "parameter_server": ("keras", "3.15", "3.15"),
-    "keras_layouts": ("keras", "3.15", "3.15"),
-    "keras_fsdp": ("keras", "3.15", "3.15"),
-    "sharded_checkpoints": ("tensorflow", "2.21", "2.21"),
+    "keras_checkpointing": ("keras", "3.8", "3.15"),
+    "keras_xla": ("keras", "3.8", "3.15"),
+    "preemption": ("tensorflow", "2.16", "2.21"),
+    "mid_epoch_resume": ("keras", "3.8", "3.15"),
+    "keras_batch_norm": ("keras", "3.8", "3.15"),
+    "keras_seed_generator": ("keras", "3.8", "3.15"),
+    "keras_initial_epoch": ("keras", "3.8", "3.15"),
+    "keras_optimizer": ("keras", "3.8", "3.15"),
+    "keras_sharded_optimizer": ("keras", "3.8", "3.15"),
+    "parameter_server": ("keras", "3.8", "3.15"),
+    "keras_layouts": ("keras", "3.8", "3.15"),
+    "keras_fsdp": ("keras", "3.8", "3.15"),
+    "sharded_checkpoints": ("tensorflow", "2.16", "2.21"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
-    "replica_trace": ("tensorflow", "2.21", "2.21"),
-    "replica_invariance": ("tensorflow", "2.21", "2.21"),
-    "keras_remat": ("keras", "3.15", "3.15"),
-    "keras_distribution": ("keras", "3.15", "3.15"),
-    "tape_gradient_device": ("tensorflow", "2.21", "2.21"),
-    "exhausted_step": ("keras", "3.15", "3.15"),
-    "effects_before_fetch": ("tensorflow", "2.21", "2.21"),
+    "keras_backports": ("keras", "3.8", "3.15"),
+    "replica_trace": ("tensorflow", "2.16", "2.21"),
+    "replica_invariance": ("tensorflow", "2.16", "2.21"),
+    "keras_remat": ("keras", "3.8", "3.15"),
+    "keras_distribution": ("keras", "3.8", "3.15"),
+    "tape_gradient_device": ("tensorflow", "2.16", "2.21"),
+    "exhausted_step": ("keras", "3.8", "3.15"),
+    "effects_before_fetch": ("tensorflow", "2.16", "2.21"),
     "short_batches": ("keras", "3.15", "3.15"),
 }
 
@@ -146,6 +151,7 @@ def _permanent():
     from keras_replicator._compat import (
         exhausted_step,
         host_iterator,
+        keras_backports,
         keras_checkpointing,
         keras_fsdp,
         keras_layouts,
@@ -162,6 +168,8 @@ def _permanent():
     )
 
     return patching.Patches([
+        # Keras 3.8: fit takes a DistributedDatasetsFromFunction of ours, as Keras 3.9+.
+        *keras_backports.PATCHES,
         *keras_trainer.PATCHES,
         # Every loss form Keras accepts: one device's terms, the total's gradient per replica share.
         *keras_losses.PATCHES,

@@ -167,6 +167,8 @@ def replica_calls(traced, replicas: list[tuple[str, int, list]], inputs: list[li
     docstring), the whole step, its input-free effects recorded for Keras's
     train function (`exhausted_step.record`).
     """
+    # What both modules reproduce: one device's inlined step on an exhausted iterator.
+    exhausted_step.NON_STRICT_INLINING.verify("keras_replicator._compat.effects_before_fetch")
     calls = _calls_after_effects(traced, replicas, inputs, stays)
     if calls is None:
         exhausted_step.record(traced, replicas, stays)

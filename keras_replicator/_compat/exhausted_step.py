@@ -53,6 +53,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.util import object_identity
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch, ours
 
 
@@ -258,5 +259,40 @@ def _make_train_function(original):
     return make_train_function
 
 
+# The attributes of the probe's inner step (a test makes it strict, `_noinline`, to see the refusal).
+_PROBE_STEP_ATTRIBUTES: dict = {}
+
+
+def _inlined_step_runs_input_free_effects() -> str | None:
+    """The behaviour this module reproduces, checked on one device: a `tf.function` called in
+    another, fed from an exhausted iterator, still runs its ops that need no input."""
+    ran = []
+    with tf.init_scope():
+
+        @tf.function(experimental_attributes=_PROBE_STEP_ATTRIBUTES or None)
+        def step(x):
+            tf.py_function(lambda: ran.append(1) or 0, [], tf.int32)
+            return x + 1
+
+        @tf.function
+        def train(iterator):
+            return step(next(iterator))
+
+        try:
+            train(iter(tf.data.Dataset.range(0)))
+        except tf.errors.OutOfRangeError:
+            pass
+    if ran:
+        return None
+    return ("a step called on an exhausted iterator no longer runs its input-free ops on one "
+            "device (non-strict inlining); the effects this module adds would be one step too many")
+
+
+# Checked once per process, before the patch applies (`effects_before_fetch` checks it too).
+NON_STRICT_INLINING = patching.behaves(
+    "tensorflow's inlined tf.function on an exhausted iterator (runs its input-free ops)",
+    _inlined_step_runs_input_free_effects, key=lambda: dict(_PROBE_STEP_ATTRIBUTES) or None)
+
 # Installed by keras_replicator._compat.install(), undone by uninstall().
-PATCHES = (ScopedPatch(tf_trainer.TensorFlowTrainer, "make_train_function", _make_train_function),)
+PATCHES = (ScopedPatch(tf_trainer.TensorFlowTrainer, "make_train_function", _make_train_function,
+                       guards=[NON_STRICT_INLINING]),)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch, ours
 
 
@@ -48,4 +49,10 @@ def _mean_aggregated_statistics(original):
     return add_weight
 
 
-PATCH = ScopedPatch(keras.layers.BatchNormalization, "add_weight", _mean_aggregated_statistics)
+# What the patch relies on: `build` makes the moving statistics through `self.add_weight`.
+BUILD_ADDS_STATISTICS = patching.calls(
+    "keras BatchNormalization.build (makes moving_mean, moving_variance with self.add_weight)",
+    lambda: keras.layers.BatchNormalization.build, "add_weight", "moving_mean", "moving_variance")
+
+PATCH = ScopedPatch(keras.layers.BatchNormalization, "add_weight", _mean_aggregated_statistics,
+                    guards=[BUILD_ADDS_STATISTICS])

@@ -442,7 +442,9 @@ def _model_save_weights(original):
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         path = _atomic_target(self, filepath, overwrite, max_shard_size is None)
         if path is None:
-            return original(self, filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+            # max_shard_size is from Keras 3.10: passed on only when given.
+            sharded = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+            return original(self, filepath, overwrite=overwrite, **sharded)
         _atomically(path, lambda tmp: original(self, tmp, overwrite=True))
 
     return save_weights

@@ -50,13 +50,28 @@ _MODULES = (
 )
 
 
+# `keras_replicator.keras_distribution.follow(distribution, keras_set_distribution)`, handed
+# over by that module when it is imported (`register`): this module does not import it.
+_follow: list[Callable[[Any, Callable[[Any], None]], None]] = []
+
+
+def register(follow: Callable[[Any, Callable[[Any], None]], None]) -> None:
+    """Hands over what a patched `set_distribution` calls (`keras_replicator.keras_distribution`)."""
+    _follow[:] = [follow]
+
+
+def _follow_or_keras(value: Any) -> None:
+    if _follow:
+        _follow[0](value, _keras_set_distribution())
+    else:  # nothing registered: Keras's own behaviour
+        _keras_set_distribution()(value)
+
+
 def _replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
     @functools.wraps(original)
     def set_distribution(value: Any) -> None:
-        from keras_replicator import keras_distribution
-
         # Keras's own function, whichever module's binding was called.
-        keras_distribution.follow(value, _keras_set_distribution())
+        _follow_or_keras(value)
 
     return set_distribution
 
@@ -89,9 +104,7 @@ def follow_current() -> None:
 
     current = keras.distribution.distribution()
     if current is not None:
-        from keras_replicator import keras_distribution
-
-        keras_distribution.follow(current, _keras_set_distribution())
+        _follow_or_keras(current)
 
 
 def _patches() -> list[ScopedPatch]:

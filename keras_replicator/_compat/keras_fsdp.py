@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
+from keras_replicator._compat.keras_optimizer import UPDATE_STEP_REDUCES
 from keras_replicator._compat.patching import ScopedPatch
 from keras_replicator.model_parallel import fsdp
 
@@ -35,5 +36,6 @@ def _skip_replica_slices(original):
 
 
 PATCHES = (
-    ScopedPatch(TFOptimizer, "_all_reduce_sum_gradients", _skip_replica_slices),
+    ScopedPatch(TFOptimizer, "_all_reduce_sum_gradients", _skip_replica_slices,
+                guards=[UPDATE_STEP_REDUCES]),
 )

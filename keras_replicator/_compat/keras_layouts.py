@@ -36,6 +36,8 @@ The optimizer's slots of shards, and `tf.train.Checkpoint`, are saved whole too:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 
 import keras
@@ -157,6 +159,18 @@ def _bias_slice(bias, j: int, k: int):
     return keras.ops.split(bias, k, axis=-2)[j]
 
 
+
+@functools.cache
+def _takes_scores_argument() -> bool:
+    """Keras 3.12+'s `MultiHeadAttention._compute_attention` takes `return_attention_scores`
+    (3.8-3.11: always returns the scores)."""
+    return "return_attention_scores" in inspect.signature(
+        keras.layers.MultiHeadAttention._compute_attention).parameters
+
+
+def _scores_argument(return_attention_scores) -> dict:
+    return {"return_attention_scores": return_attention_scores} if _takes_scores_argument() else {}
+
 def _attention_by_heads(self, query, value, key, attention_mask, training, return_attention_scores,
                         use_causal_mask):
     """Megatron's attention: each logical device computes its heads; one add_n at the end."""
@@ -181,7 +195,8 @@ def _attention_by_heads(self, query, value, key, attention_mask, training, retur
     for j in range(output_kernel.num_shards):
         with output_kernel.placement.ops(j):
             out, score = self._compute_attention(per_head["q"][j], per_head["k"][j], per_head["v"][j],
-                                                 attention_mask, training, return_attention_scores)
+                                                 attention_mask, training, **_scores_argument(
+                                                     return_attention_scores))
         outputs.append(out)
         scores.append(score)
     y = parallel_layers.row_parallel_einsum(self.output_dense.equation, outputs, output_kernel)
@@ -300,6 +315,13 @@ PATCHES = [
     ScopedPatch(Trainer, "compile", _check_at_compile),
     ScopedPatch(TensorFlowTrainer, "_maybe_symbolic_build", _check_after_build),
     *(ScopedPatch(_Layer, name, _whole) for name in (
-        "get_weights", "set_weights", "save_own_variables", "load_own_variables",
-        "_check_load_own_variables")),
+        "get_weights", "set_weights", "save_own_variables", "load_own_variables")),
+    # From Keras 3.12 (absent before: nothing to patch there).
+    ScopedPatch(_Layer, "_check_load_own_variables", _whole, optional=True),
+    # Keras 3.8-3.11: the layers' own save/load_own_variables count the variables themselves
+    # (3.12 moved that to `_check_load_own_variables`): they list whole variables too.
+    *(ScopedPatch(cls, name, _whole)
+      for cls in (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
+      for name in ("save_own_variables", "load_own_variables")
+      if not hasattr(_Layer, "_check_load_own_variables") and name in vars(cls)),
 ]

@@ -18,7 +18,16 @@ import functools
 import keras
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch
+
+# What `skip_optimizer_gradient_all_reduce`, `keras_fsdp` and `keras_sharded_optimizer`
+# rely on: Keras's update step sums the gradients through `_all_reduce_sum_gradients`
+# (skipped, or replaced, by them). If it stopped calling it, gradients would be reduced
+# twice or not at all, without an error.
+UPDATE_STEP_REDUCES = patching.calls(
+    "keras TFOptimizer._backend_update_step (calls self._all_reduce_sum_gradients)",
+    lambda: TFOptimizer._backend_update_step, "_all_reduce_sum_gradients")
 
 
 def _already_reduced(grads_and_vars):
@@ -38,11 +47,12 @@ def skip_optimizer_gradient_all_reduce(optimizer) -> None:
     ``inner_optimizer`` down to the optimizer that does the update. If a Keras
     version renames the method, fail loudly rather than reduce twice.
     """
+    UPDATE_STEP_REDUCES.verify("keras_replicator's CrossReplicaOptimizer")
     opt = optimizer
     while opt is not None:
         if isinstance(opt, TFOptimizer):
             if not callable(getattr(type(opt), "_all_reduce_sum_gradients", None)):
-                raise RuntimeError(
+                raise patching.IncompatiblePatchError(
                     "This Keras version has no TFOptimizer._all_reduce_sum_gradients; "
                     "keras_replicator's CrossReplicaOptimizer needs updating for it."
                 )

@@ -165,4 +165,5 @@ def remat(f: Callable[..., Any]) -> Callable[..., Any]:
     return rematerialized
 
 
-PATCHES = [ScopedPatch(tf_backend_core, "remat", lambda original: remat)]
+# `core.remat` (keras.remat, keras.RematScope) is from Keras 3.9: on 3.8 there is nothing to patch.
+PATCHES = [ScopedPatch(tf_backend_core, "remat", lambda original: remat, optional=True)]

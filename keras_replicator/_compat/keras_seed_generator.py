@@ -47,7 +47,10 @@ from collections.abc import Iterator
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow import random as tf_random
+from keras.src.random import seed_generator
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch
 
 
@@ -119,4 +122,15 @@ def _per_replica_seed(original):
     return next
 
 
-PATCH = ScopedPatch(keras.random.SeedGenerator, "next", _per_replica_seed)
+# What the patch relies on: every random op of the TensorFlow backend draws its seed with
+# `draw_seed`, which calls the generator's `next` (patched). A draw that bypassed it would
+# give every replica the same mask, without an error.
+_DRAWS = [
+    patching.calls("keras random.seed_generator.draw_seed (calls SeedGenerator.next)",
+                   lambda: seed_generator.draw_seed, "next"),
+    *(patching.calls(f"keras backend.tensorflow.random.{name} (calls draw_seed)",
+                     lambda name=name: getattr(tf_random, name), "draw_seed")
+      for name in ("dropout", "normal", "uniform", "truncated_normal", "randint")),
+]
+
+PATCH = ScopedPatch(keras.random.SeedGenerator, "next", _per_replica_seed, guards=_DRAWS)

@@ -45,6 +45,8 @@ from keras.src import backend
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from tensorflow.python.distribute import numpy_dataset, values_util
 
+from keras_replicator._compat import patching
+from keras_replicator._compat.keras_optimizer import UPDATE_STEP_REDUCES
 from keras_replicator._compat.patching import ScopedPatch, ours
 from keras_replicator.optimizers.state_sharding import gather_owned_values, partition
 
@@ -313,12 +315,19 @@ def _load_own_variables(original):
 
 
 # Installed by keras_replicator._compat.install(), undone by uninstall().
+# What the sharded update replaces: Keras's update, reached through `_backend_update_step`
+# (which sums the gradients: the sharded update reduces them itself).
+_APPLIES_THROUGH_UPDATE_STEP = patching.calls(
+    "keras BaseOptimizer._backend_apply_gradients (calls self._backend_update_step)",
+    lambda: TFOptimizer._backend_apply_gradients, "_backend_update_step")
+
 PATCHES = (
     ScopedPatch(TFOptimizer, "build", _build),
     ScopedPatch(TFOptimizer, "add_variable_from_reference", _add_variable_from_reference),
     ScopedPatch(TFOptimizer, "add_variable", _add_variable),
     ScopedPatch(TFOptimizer, "_apply_weight_decay", _apply_weight_decay),
-    ScopedPatch(TFOptimizer, "_backend_update_step", _backend_update_step),
+    ScopedPatch(TFOptimizer, "_backend_update_step", _backend_update_step,
+                guards=[UPDATE_STEP_REDUCES, _APPLIES_THROUGH_UPDATE_STEP]),
     ScopedPatch(TFOptimizer, "save_own_variables", _save_own_variables),
     ScopedPatch(TFOptimizer, "load_own_variables", _load_own_variables),
 )

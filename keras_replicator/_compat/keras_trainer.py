@@ -402,6 +402,6 @@ PATCHES = (
     ScopedPatch(tf_trainer, "reduce_per_replica", _reduce_across_workers),
     ScopedPatch(tf_trainer.TFEpochIterator, "__init__", _refuse_infinite_epochs),
     ScopedPatch(tf_trainer.TFEpochIterator, "_enumerate_iterator",
-                mid_epoch_resume.resume_from_mid_epoch),
+                mid_epoch_resume.resume_from_mid_epoch, guards=mid_epoch_resume.GUARDS),
     *(ScopedPatch(tf_trainer.TensorFlowTrainer, name, _entry_point(name)) for name in _ENTRY_POINTS),
 )

@@ -59,6 +59,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch, ours
 
 CROSS_REPLICA_CALL = "_keras_replicator_cross_replica_call"
@@ -203,6 +204,20 @@ def _first_input(x):
     return next(i for i in tree.flatten(x) if i is not None)
 
 
+# `_keras_train_compute` and `_split_train_step` are Keras's `TensorFlowTrainer.train_step`
+# cut in two: its source's fingerprint on each Keras checked (3.8-3.11 take the first input
+# as `tree.flatten(x)[0]`, 3.12+ the first one not None, as the copy does). Another source
+# is refused: Keras changed its step, and the copy would silently drop the change.
+TRAIN_STEP_FINGERPRINTS = {
+    "3.8.0": "5ba4b231aa0966a7", "3.9.2": "5ba4b231aa0966a7", "3.10.0": "5ba4b231aa0966a7",
+    "3.11.3": "5ba4b231aa0966a7", "3.12.4": "f6ecb19499b554c4", "3.13.2": "f6ecb19499b554c4",
+    "3.14.1": "f6ecb19499b554c4", "3.15.1": "f6ecb19499b554c4",
+}
+TRAIN_STEP = patching.same_source(
+    "keras TensorFlowTrainer.train_step (copied by keras_xla)",
+    lambda: tf_trainer.TensorFlowTrainer.train_step, TRAIN_STEP_FINGERPRINTS)
+
+
 def _keras_train_compute(model):
     """Keras 3.15's `train_step` up to the gradients (the part compiled with XLA)."""
 
@@ -313,6 +328,7 @@ def _auto_as_one_device(original):
 # Installed by keras_replicator._compat.install(), undone by uninstall().
 PATCHES = (
     ScopedPatch(tf_core.Variable, "_direct_assign", _deferred_assign),
-    ScopedPatch(tf_trainer.TensorFlowTrainer, "_make_function", _per_replica_make_function),
+    ScopedPatch(tf_trainer.TensorFlowTrainer, "_make_function", _per_replica_make_function,
+                guards=[TRAIN_STEP]),
     ScopedPatch(base_trainer.Trainer, "_resolve_auto_jit_compile", _auto_as_one_device),
 )

@@ -28,7 +28,9 @@ import threading
 import weakref
 
 import tensorflow as tf
+from keras.src.trainers import epoch_iterator
 
+from keras_replicator._compat import patching, tf_data
 from keras_replicator._compat.patching import ours
 
 # The training epoch iterator of the `fit` running in this thread: the last one made
@@ -97,7 +99,7 @@ def _advance_to(self, draw: int | None) -> None:
         return
     from keras_replicator import resume  # here: it imports _compat modules
 
-    if not resume.advance_shuffles(self._distributed_dataset, missing):
+    if resume.advance_shuffles(self._distributed_dataset, missing) is None:
         for _ in range(missing):  # a dataset keras_replicator did not build: Keras's own iterators
             iter(self._distributed_dataset)
     self._kr_made = int(draw)
@@ -175,3 +177,26 @@ def resume_from_mid_epoch(original):
         return _fast_forward(self, original, *pending[:2])
 
     return _enumerate_iterator
+
+
+def _finds_a_reshuffling_shuffle() -> str | None:
+    """The shuffles `advance_shuffles` advances are found (by class name) in a pipeline holding one."""
+    found = tf_data.reshuffling_shuffles(tf.data.Dataset.range(8).shuffle(8, seed=1).map(lambda x: x).batch(2))
+    if len(found) == 1:
+        return None
+    return (f"a pipeline with one reshuffling shuffle shows {len(found)} (tf_data.reshuffling_shuffles "
+            "finds them by class name): a resumed epoch would read another order")
+
+
+def _shuffle_class_name() -> str:
+    return type(tf.data.Dataset.range(1).shuffle(1)).__name__
+
+
+# What counting iterators as shuffle draws relies on: each epoch's iterator is made by
+# `_get_iterator` (counted), and the shuffles to advance are found.
+GUARDS = (
+    patching.calls("keras EpochIterator._enumerate_iterator (calls self._get_iterator)",
+                   lambda: epoch_iterator.EpochIterator._enumerate_iterator, "_get_iterator"),
+    patching.behaves("tensorflow's reshuffling Dataset.shuffle (found by its class name)",
+                     _finds_a_reshuffling_shuffle, key=_shuffle_class_name),
+)

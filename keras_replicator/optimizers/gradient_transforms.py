@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from keras_replicator._compat import keras_backports
 from keras_replicator._validation import check_int
 
 __all__ = [
@@ -156,7 +157,7 @@ class GradientAccumulator:
         """Creates one zeroed accumulator per variable, each given to `track`."""
         self.accumulators = []
         for v in var_list:
-            acc = keras.Variable(
+            acc = keras_backports.variable(  # keras.Variable, synchronization on Keras 3.8+
                 initializer="zeros",
                 shape=v.shape,
                 dtype=v.dtype,

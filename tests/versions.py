@@ -1,0 +1,126 @@
+"""The core subset (`pytest -m core`) on TensorFlow x Keras pairs, each in its own venv.
+
+Usage: `python -m tests.versions [--ci | --pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--json PATH]`
+(`make test-versions` runs every pair of `keras_replicator.versions.PAIRS`; `.ci/run`
+`--ci`: `versions.CI_PAIRS`, the oldest and TF 2.19.1 + Keras 3.10).
+
+Each TensorFlow minor gets one venv, `.venvs/tf<minor>/` (`.venvs/tf2.16/`) (ignored by git), made
+with `python -m venv` and `pip install` of the pair pinned and the core subset's test
+dependencies (pip's cache keeps a second run fast); the pair's Keras is installed into
+it before the run (`pip install keras==...`: seconds), so one venv serves every Keras
+on that TensorFlow. The package itself is imported from this checkout (`PYTHONPATH`),
+not installed. KerasHub's core test runs only where the venv has keras-hub.
+
+Prints one line per pair (passed or failed, minutes, venv setup included) and a
+closing table; exits non-zero if any pair failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENVS = os.path.join(ROOT, ".venvs")
+TEST_DEPENDENCIES = ("pytest>=7", "pytest-timeout>=2.1", "psutil>=5.9")
+_CORE = "pytest.mark.core"
+
+
+def _versions_module():
+    """`keras_replicator.versions`, read without importing the package (no TensorFlow)."""
+    import importlib.util
+
+    sys.path.insert(0, ROOT)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "_kr_versions", os.path.join(ROOT, "keras_replicator", "versions.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.pop(0)
+
+
+def core_files(with_hub: bool) -> list[str]:
+    """The test modules that hold core tests (tests/test_kerashub.py only `with_hub`)."""
+    files = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py"))):
+        with open(path, encoding="utf-8") as f:
+            if _CORE not in f.read():
+                continue
+        if os.path.basename(path) == "test_kerashub.py" and not with_hub:
+            continue
+        files.append(os.path.relpath(path, ROOT))
+    return files
+
+
+def _pip(python: str, *args: str) -> None:
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
+                   check=True)
+
+
+def venv_for(tensorflow: str, keras: str) -> str:
+    """The venv's python for `tensorflow` with `keras` installed (made on first use)."""
+    folder = os.path.join(VENVS, "tf" + ".".join(tensorflow.split(".")[:2]))
+    python = os.path.join(folder, "bin", "python")
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", folder], check=True)
+        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}", *TEST_DEPENDENCIES)
+    else:
+        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}")  # no-op when installed
+    return python
+
+
+def _has(python: str, module: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([python, "-c", code]).returncode == 0
+
+
+def run_pair(tensorflow: str, keras: str) -> dict:
+    """Sets up the pair's venv and runs the core subset there; returns its result."""
+    start = time.monotonic()
+    python = venv_for(tensorflow, keras)
+    setup = time.monotonic() - start
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    files = core_files(_has(python, "keras_hub"))
+    code = subprocess.run([python, "-m", "tests.run_suite", "-m", "core", *files], cwd=ROOT,
+                          env=env).returncode
+    return {"tensorflow": tensorflow, "keras": keras, "passed": code == 0,
+            "setup_minutes": round(setup / 60, 1),
+            "minutes": round((time.monotonic() - start) / 60, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", help="comma-separated tensorflow:keras versions (default: PAIRS)")
+    parser.add_argument("--ci", action="store_true", help="the pairs CI runs (versions.CI_PAIRS)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    module = _versions_module()
+    pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs
+             else module.CI_PAIRS if args.ci else module.PAIRS)
+    results = []
+    for tensorflow, keras in pairs:
+        result = run_pair(tensorflow, keras)
+        results.append(result)
+        print(f"versions: TF {tensorflow} + Keras {keras}: "
+              f"{'passed' if result['passed'] else 'FAILED'} in {result['minutes']} min "
+              f"(venv {result['setup_minutes']} min)", flush=True)
+    print("\n| TensorFlow | Keras | core subset | minutes (venv) |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['tensorflow']} | {r['keras']} | {'passed' if r['passed'] else 'FAILED'} | "
+              f"{r['minutes']} ({r['setup_minutes']}) |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
