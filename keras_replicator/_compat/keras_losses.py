@@ -64,6 +64,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_replicator._compat import short_batches
 from keras_replicator._compat.patching import ScopedPatch, ours
 
 _state = threading.local()
@@ -108,6 +109,13 @@ def _make_step(ctx, *structures) -> _Step:
     rows, static_rows = _first_rows(*structures)
     compiled = _compiled()
     n = ctx.num_replicas_in_sync
+    padded = short_batches.current()
+    if padded is not None:
+        # A step run from a `PaddedBatch`: its real rows (0 on a padding replica) and the
+        # batch's, known without a collective.
+        rows, total = (tf.cast(v, tf.float32) for v in (padded.rows, padded.total))
+        return _Step(rows, static_rows, tf.stop_gradient(tf.math.divide_no_nan(rows, total)),
+                     compiled)
     if rows is None:
         return _Step(None, None, tf.constant(1.0 / n), compiled)
     rows = tf.cast(rows, tf.float32)
@@ -187,6 +195,7 @@ def _root(original):
             return total
         result = _scale_gradient(total, step.share)
         _state.returned = result
+        short_batches.mark_weighted(result)
         return result
 
     return compute_loss

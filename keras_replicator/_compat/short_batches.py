@@ -10,8 +10,11 @@ copy of the batch's last row, with 0 real rows. `ReplicatorStrategy.run` takes t
 slice out again (`unwrap`), so the step (Keras's or a user's) sees a plain batch,
 and keeps the counts for the replica while the step is traced, for:
 
-* gradients: `Optimizer.scale_loss` (and `LossScaleOptimizer.scale_loss`, which
-  Keras's `train_step` calls on the loss before `tape.gradient`) multiplies the
+* gradients: `keras_losses` weighs each replica's loss by its real rows'
+  share of the batch (`current()`; a loss it computed is marked with
+  `mark_weighted`); for a loss it did not compute (a `train_step` of the
+  model's own that calls `Optimizer.scale_loss` on a loss of its making),
+  `Optimizer.scale_loss` (and `LossScaleOptimizer.scale_loss`) multiplies the
   replica's loss by ``rows * replicas / total``: 1 for even slices (the loss
   unchanged, bit for bit), 0 for padding, and for uneven slices the weight that
   makes the summed gradient one device's (each replica's mean loss counts by its
@@ -54,7 +57,7 @@ from keras_replicator._compat.patching import ScopedPatch
 
 __all__ = [
     "PATCHES", "LocalPaddedBatch", "PaddedBatch", "current", "keras_distributing",
-    "padding_mask", "predicting", "replica_loss_scale", "unwrap", "wanted",
+    "mark_weighted", "padding_mask", "predicting", "replica_loss_scale", "unwrap", "wanted",
 ]
 
 #: A replica's slice of a batch: ``batch`` (the slice), ``rows`` (its real rows,
@@ -181,12 +184,22 @@ def unwrap(strategy, fn: Callable, args, kwargs) -> tuple[Callable, tuple, Any]:
     return step, (PaddedBatch(*padded),), kwargs
 
 
+def mark_weighted(loss) -> None:
+    """Marks ``loss`` as already weighted by the replica's rows (`keras_losses` computed it)."""
+    _local.weighted = loss
+
+
+def _weighted(loss) -> bool:
+    return loss is getattr(_local, "weighted", None)
+
+
 def _scaled_loss(original):
     """`scale_loss`. Why: see the module (gradients); Keras calls it before `tape.gradient`."""
 
     def scale_loss(self, loss):
+        weighted = _weighted(loss)
         loss = original(self, loss)
-        scale = replica_loss_scale(loss.dtype) if hasattr(loss, "dtype") else None
+        scale = replica_loss_scale(loss.dtype) if hasattr(loss, "dtype") and not weighted else None
         return loss if scale is None else loss * scale
 
     return scale_loss
