@@ -4,7 +4,8 @@ Usage: `python -m tests.versions [--ci | --pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--
 (`make test-versions` runs every pair of `keras_replicator.versions.PAIRS`; `.ci/run`
 `--ci`: `versions.CI_PAIRS`, the oldest and TF 2.19.1 + Keras 3.10).
 
-Each TensorFlow minor gets one venv, `.venvs/tf<minor>/` (`.venvs/tf2.16/`) (ignored by git), made
+Each TensorFlow minor gets one venv, `.venvs/tf<minor>/` (`.venvs/tf2.16/`) (ignored by git;
+`KR_VENVS` names another folder), made
 with `python -m venv` and `pip install` of the pair pinned and the core subset's test
 dependencies (pip's cache keeps a second run fast); the pair's Keras is installed into
 it before the run (`pip install keras==...`: seconds), so one venv serves every Keras
@@ -26,7 +27,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENVS = os.path.join(ROOT, ".venvs")
+# `KR_VENVS` puts them elsewhere: `.ci/run` keeps them in the user's cache folder, so that a
+# second CI run on the same machine reuses them (pip's cache is not kept here); made anew where absent.
+VENVS = os.environ.get("KR_VENVS") or os.path.join(ROOT, ".venvs")
 TEST_DEPENDENCIES = ("pytest>=7", "pytest-timeout>=2.1", "psutil>=5.9")
 _CORE = "pytest.mark.core"
 
