@@ -22,6 +22,7 @@ from keras_replicator.collectives import (
     all_reduce,
     broadcast,
     num_replicas,
+    real_rows,
     replica_id,
 )
 from keras_replicator.cross_device_ops import PackedReductionToOneDevice
@@ -65,6 +66,7 @@ __all__ = [
     "model_parallel",
     "num_replicas",
     "optimizers",
+    "real_rows",
     "replica_id",
     "replica_jit",
     "resume",

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._compat import keras_xla
+from keras_replicator._compat import keras_xla, short_batches
 from keras_replicator._validation import check_int
 
 _OPS = ("sum", "mean", "max", "min")
@@ -76,6 +76,28 @@ def replica_id() -> tf.Tensor:
         return tf.constant(0, tf.int32)
     rid = ctx.replica_id_in_sync_group
     return tf.cast(rid, tf.int32) if isinstance(rid, tf.Tensor) else tf.constant(rid, tf.int32)
+
+
+def real_rows(x) -> tf.Tensor:
+    """A boolean per row of ``x``: True for a real example, False for a padding row.
+
+    A batch Keras reads (`fit`, `evaluate`, `predict`) with fewer rows than
+    replicas gives each replica left without rows one padding row, which weighs
+    nothing in the loss, Keras's metrics, `GlobalBatchNormalization` and
+    `predict`'s output (docs/input.md). Code with effects of its own in a step (a
+    custom metric's `update_state`, a counter, a `train_step` of the model's own)
+    masks it out with this. Outside such a step every row is real.
+
+    Example:
+        ```python
+        ids = np.arange(3)
+        print(kr.real_rows(ids).numpy().tolist())   # [True, True, True]
+        ```
+    """
+    x = tf.convert_to_tensor(x)
+    state = short_batches.current()
+    real = tf.constant(True) if state is None else state.rows > 0
+    return tf.fill(tf.shape(x)[:1], real)
 
 
 def _check_op(op: str) -> str:

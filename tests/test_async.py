@@ -263,7 +263,7 @@ def test_fit_evaluate_predict_and_save(start_job):
     errors = report["errors"]
     assert errors["no_steps"].startswith("ValueError: fit needs steps_per_epoch")
     assert errors["arrays"].startswith("TypeError: With AsyncReplicatorStrategy, fit trains on the workers")
-    assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ValueError")
+    assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ArgumentError")  # a ValueError
     assert "no per_replica_batch_size was given" in errors["unbatched"]
     assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
     # Dropout: every step's keep-mask is its own, across workers and steps (masks of 128

@@ -261,7 +261,7 @@ def test_missing_extra_error_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     monkeypatch.delitem(__import__("sys").modules, "ray", raising=False)
-    with pytest.raises(ImportError, match=r'pip install "keras-replicator\[rl\]"'):
+    with pytest.raises(ImportError, match=r'pip install "\.\[rl\]"'):
         _deps.require("ray")
 
 

@@ -25,7 +25,9 @@ class IdCounter(keras.metrics.Metric):
         self.counts = self.add_variable(shape=(num_examples,), initializer="zeros", name="counts", aggregation="sum")
 
     def update_state(self, ids):
-        ids = tf.reshape(tf.cast(ids, tf.int32), [-1])
+        # A padding row (a replica left without rows by a short batch) is no example.
+        ids = tf.boolean_mask(tf.cast(ids, tf.int32), kr.real_rows(ids))
+        ids = tf.reshape(ids, [-1])
         self.counts.assign_add(tf.math.bincount(ids, minlength=self.num_examples, maxlength=self.num_examples, dtype=self.counts.dtype))
 
     def result(self):
