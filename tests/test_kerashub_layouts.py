@@ -171,6 +171,7 @@ def test_map_through_set_distribution(name, tied, mesh_name):
     shape = MESHES[mesh_name]
     layout_map = hub.layout_backbone_class(name).get_layout_map(mesh(shape))
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    reference(name, tied)  # one device's, built before the distribution is set
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keras.distribution.set_distribution(distribution)
