@@ -19,7 +19,7 @@ patch's guards check what it patches on whatever is installed.
 | `host_iterator` | the distributed iterator of one worker (`_SingleWorkerOwnedDatasetIterator`: how it reads, its type spec's components) | installed patch, ours only, CPU replicas of one worker: one host iterator instead of a pipeline per device | TF 2.16-2.21 |
 | `tf_data` | tf.data's Python dataset objects, `_AutoShardDataset` | reads attributes | TF 2.16-2.21 |
 | `keras_trainer` | Keras's TensorFlow trainer and epoch iterator (incl. skipping to a mid-epoch restore) | installed patch, ours only | Keras 3.8-3.15 |
-| `keras_losses` | `TensorFlowTrainer.train_step` / `test_step` (the default steps), `Trainer._compute_loss` / `compute_loss` (the base methods), `TensorFlowTrainer._aggregate_additional_loss`, `keras.src.losses.loss.reduce_values` / `unscale_loss_for_distribution` | installed patch, ours only: every loss term one device's value on the replica's rows, the total's gradient multiplied by the replica's share of the batch (a scalar loss function, a loss object in `add_loss`, per-sample `add_loss`, `mean_with_sample_weight`, unequal shares) | Keras 3.15 |
+| `keras_losses` | `TensorFlowTrainer.train_step` / `test_step` (the default steps), `Trainer._compute_loss` / `compute_loss` (the base methods), `TensorFlowTrainer._aggregate_additional_loss`, `keras.src.losses.loss.reduce_values` / `unscale_loss_for_distribution` | installed patch, ours only: every loss term one device's value on the replica's rows, the total's gradient multiplied by the replica's share of the batch (a scalar loss function, a loss object in `add_loss`, per-sample `add_loss`, `mean_with_sample_weight`, unequal shares) | Keras 3.8-3.15 |
 | `keras_checkpointing` | `ModelCheckpoint`, `BackupAndRestore` (chief-only writes; each backup a new folder committed by a pointer written last, the newest whole one restored: `keras_replicator.backup_commits`; a mid-epoch backup's step; every backup's data position, checked against the new shape on restore: `keras_replicator.resume`), `Model.save` / `save_weights` (a temporary file renamed over the target: `keras_replicator.atomic_files`) | installed patch, ours only (committed backups: `AsyncReplicatorStrategy` too) | Keras 3.8-3.15 |
 | `mid_epoch_resume` | `TFEpochIterator._enumerate_iterator`, `_get_iterator` (counted per instance), private marks on the epoch iterator | installed patch, ours only: the first epoch after a restore reads the uninterrupted run's order (reshuffling seeds advanced) and skips the steps already done | Keras 3.8-3.15 |
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.16-2.21 |
@@ -42,7 +42,7 @@ patch's guards check what it patches on whatever is installed.
 | `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.8-3.15, TF 2.16-2.21 |
 | `keras_backports` | `keras.Variable`'s `synchronization` keyword (Keras 3.10+), the `tf.Variable` Keras creates; `data_adapters.is_tf_dataset` (a `DistributedDatasetsFromFunction` as `fit`'s input, Keras 3.9+); `Metric.add_variable` (on-read metric variables, Keras 3.10+) | feature-detected: the keyword where Keras takes it, else a `tf.variable_creator_scope` adding it (Keras 3.8, 3.9); installed patches, ours only, where Keras lacks the feature (3.8: both; 3.9: the metrics) | Keras 3.8-3.15 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
-| `short_batches` | `BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`, `reduction_metrics.Mean`/`Sum.update_state`; the elements of datasets Keras's epoch iterator distributes | installed patches acting only inside a step run from a `PaddedBatch` (`ReplicatorStrategy.run`): a replica's loss weighted by its real rows, a padding replica's metric updates weigh 0 | Keras 3.15 |
+| `short_batches` | `BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`, `reduction_metrics.Mean`/`Sum.update_state`; the elements of datasets Keras's epoch iterator distributes | installed patches acting only inside a step run from a `PaddedBatch` (`ReplicatorStrategy.run`): a replica's loss weighted by its real rows, a padding replica's metric updates weigh 0 | Keras 3.8-3.15 |
 
 One mechanism, two lifetimes (`patching`): every patch is a `patching.ScopedPatch`
 object (nothing is patched when a module is imported), grouped in a
@@ -85,7 +85,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "host_iterator": ("tensorflow", "2.16", "2.21"),
     "tf_data": ("tensorflow", "2.16", "2.21"),
     "keras_trainer": ("keras", "3.8", "3.15"),
-    "keras_losses": ("keras", "3.15", "3.15"),
+    "keras_losses": ("keras", "3.8", "3.15"),
     "keras_checkpointing": ("keras", "3.8", "3.15"),
     "keras_xla": ("keras", "3.8", "3.15"),
     "preemption": ("tensorflow", "2.16", "2.21"),
@@ -108,7 +108,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "tape_gradient_device": ("tensorflow", "2.16", "2.21"),
     "exhausted_step": ("keras", "3.8", "3.15"),
     "effects_before_fetch": ("tensorflow", "2.16", "2.21"),
-    "short_batches": ("keras", "3.15", "3.15"),
+    "short_batches": ("keras", "3.8", "3.15"),
 }
 
 

@@ -199,7 +199,8 @@ def _fit(strategy, learner, feeder: Feeder, evaluation: Evaluation, env_id: str)
     dataset = make_dataset(strategy, feeder, spec.obs_dim, spec.action_dim)
     try:
         # One update per batch; the callback checks the step budget after every batch.
-        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, verbose=0,
+        # shuffle=False: the replay samples the batches (Keras would ignore it, with a warning).
+        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, verbose=0, shuffle=False,
                     callbacks=[evaluation])
     finally:
         del dataset
