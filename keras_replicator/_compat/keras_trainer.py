@@ -8,7 +8,9 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   dataset's `element_spec` rather than a batch read eagerly, without tracing a
   built functional model again, and not at all once everything is built;
 * `reduce_per_replica`: metrics and `predict` rows across every worker;
-* `TFEpochIterator.__init__`: an infinite dataset without a step count is refused;
+* `TFEpochIterator.__init__`: an infinite dataset without a step count is refused; the
+  dataset it distributes is marked as Keras's (`short_batches.keras_distributing`: its
+  slices carry their real rows, replica 0's spec is the slice's);
 * `TFEpochIterator._enumerate_iterator`: after `BackupAndRestore` restored a backup
   written mid-epoch (at a preemption), the first epoch skips the data of the steps
   already done (`resume_current_fit_at`);
@@ -19,7 +21,7 @@ Patches `keras.src.backend.tensorflow.trainer` (checked on Keras 3.15):
   such a strategy exists), refuses infinite `validation_data` without
   `validation_steps`, re-raises a step's error caused by a lost worker as
   `WorkerLostError`, appends the preemption check to `fit`'s callbacks
-  (`preemption`), and TensorFlow's oneDNN failure on an empty batch (a
+  (`preemption`), drops `predict`'s padding rows (`short_batches.predicting`), and TensorFlow's oneDNN failure on an empty batch (a
   dataset with fewer examples than replicas leaves a replica empty) as a
   `ValueError` that says so. Reads the private `_strategy` of TensorFlow's distributed
   datasets (TF 2.16-2.21: `input_lib`).
