@@ -392,7 +392,7 @@ def test_keras_replicator_imports_no_ray_and_names_the_extra(monkeypatch):
     # Ray imported before init_local could set the loopback variable: refused, nothing started.
     assert lines[1].startswith("False Ray was imported before init_local()"), lines
     monkeypatch.setitem(sys.modules, "ray.train", None)  # as if ray[train] were not installed
-    with pytest.raises(ImportError, match=r'pip install "keras-replicator\[ray\]"'):
+    with pytest.raises(ImportError, match=r'pip install "ray\[train\]==2\.60\.0".*pip install "\.\[ray\]"'):
         ray_train.ReportCheckpoint()
     with pytest.raises(ValueError, match="checkpoint_every"):
         ray_train.ReportCheckpoint(checkpoint_every=-1)
