@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +27,34 @@ def launch_env(**extra) -> dict[str, str]:
     for name in ("KR_TEST_DEVICES", "TF_CONFIG", "KERAS_REPLICATOR_DEVICES_PER_WORKER"):
         env.pop(name, None)
     return dict(env, **extra)
+
+
+@contextlib.contextmanager
+def json_from_fresh_interpreter(args: list[str], out, timeout: float):
+    """Starts ``python *args`` at once (a fresh interpreter that writes JSON to ``out``).
+
+    Yields a function that waits for it (asserting it exited 0) and returns what it wrote,
+    read once; the process is killed if the block ends first. The one-device sides of the
+    equivalence tests run this way, beside the test's own work.
+    """
+    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=launch_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    results: dict = {}
+
+    def result() -> dict:
+        if not results:
+            output, _ = process.communicate(timeout=timeout)
+            assert process.returncode == 0, output[-3000:]
+            with open(out, encoding="utf-8") as f:
+                results.update(json.load(f))
+        return results
+
+    try:
+        yield result
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def regression_data(n=64, d=8, seed=0):

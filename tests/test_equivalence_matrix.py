@@ -24,8 +24,6 @@ a custom loop before the fetch (`_compat/effects_before_fetch.py`).
 import io
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -35,7 +33,7 @@ import tensorflow as tf
 import keras_replicator as kr
 from keras_replicator import launch as launcher
 from tests import equivalence_matrix_job as job
-from tests.helpers import ROOT, launch_env
+from tests.helpers import ROOT, json_from_fresh_interpreter, launch_env
 
 pytestmark = pytest.mark.core  # the whole matrix runs on every supported pair (make test-versions)
 
@@ -48,23 +46,8 @@ UNKNOWN_CARDINALITY = ("generator", "filtered")
 def one_device(tmp_path_factory):
     """One device's cells ({"spe1": ..., "spe3": ...}), from a fresh interpreter started at once."""
     out = tmp_path_factory.mktemp("one_device") / "cells.json"
-    process = subprocess.Popen([sys.executable, JOB, "one", str(out)], cwd=ROOT, env=launch_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    cells: dict = {}
-
-    def result() -> dict:
-        if not cells:
-            output, _ = process.communicate(timeout=600)
-            assert process.returncode == 0, output[-3000:]
-            cells.update(json.loads(out.read_text()))
-        return cells
-
-    try:
+    with json_from_fresh_interpreter([JOB, "one", str(out)], out, timeout=600) as result:
         yield result
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def mismatches(ours: dict, reference: dict, tolerance: float = TOLERANCE) -> list[str]:

@@ -10,17 +10,14 @@ relative. On main before `_compat/keras_losses.py` the siamese network and the
 endpoint layer trained 4 times too strongly and too weakly.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import keras_replicator as kr
 from tests import keras_io_programs as programs
-from tests.helpers import ROOT, launch_env
+from tests.helpers import ROOT, json_from_fresh_interpreter
 
 JOB = os.path.join(ROOT, "tests", "keras_io_programs.py")
 
@@ -28,23 +25,8 @@ JOB = os.path.join(ROOT, "tests", "keras_io_programs.py")
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
     out = tmp_path_factory.mktemp("one_device") / "programs.json"
-    process = subprocess.Popen([sys.executable, JOB, str(out)], cwd=ROOT, env=launch_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    results: dict = {}
-
-    def result() -> dict:
-        if not results:
-            output, _ = process.communicate(timeout=900)
-            assert process.returncode == 0, output[-3000:]
-            results.update(json.loads(out.read_text()))
-        return results
-
-    try:
+    with json_from_fresh_interpreter([JOB, str(out)], out, timeout=900) as result:
         yield result
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 @pytest.mark.parametrize("name", sorted(programs.PROGRAMS))

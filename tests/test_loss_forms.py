@@ -21,8 +21,6 @@ object's result or of per-sample values 4 times too weakly, a custom
 import io
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,7 +28,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator import launch as launcher
 from tests import loss_forms_job as job
-from tests.helpers import ROOT, launch_env
+from tests.helpers import ROOT, json_from_fresh_interpreter, launch_env
 
 JOB = os.path.join(ROOT, "tests", "loss_forms_job.py")
 TOLERANCE = 1e-6
@@ -41,23 +39,8 @@ LOG_TOLERANCE = 1e-5
 def one_device(tmp_path_factory):
     """One device's cells, from a fresh interpreter started at once."""
     out = tmp_path_factory.mktemp("one_device") / "cells.json"
-    process = subprocess.Popen([sys.executable, JOB, "one", str(out)], cwd=ROOT, env=launch_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    cells: dict = {}
-
-    def result() -> dict:
-        if not cells:
-            output, _ = process.communicate(timeout=900)
-            assert process.returncode == 0, output[-3000:]
-            cells.update(json.loads(out.read_text()))
-        return cells
-
-    try:
+    with json_from_fresh_interpreter([JOB, "one", str(out)], out, timeout=900) as result:
         yield result
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def mismatches(ours: dict, reference: dict) -> list[str]:
