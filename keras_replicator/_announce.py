@@ -47,6 +47,22 @@ def all_reduce_name(cross_device_ops, communication: str | None = None) -> str:
     return name
 
 
+def strategy_all_reduce(extended, communication: str, given_ops, per_replica_steps: bool) -> str:
+    """The start-up line's all-reduce: outside steps and, where it differs, inside them.
+
+    ``per_replica_steps``: a given non-collective ``given_ops`` makes every step traced per
+    replica (said once, at WARNING).
+    """
+    all_reduce = all_reduce_name(extended.cross_device_ops, communication)
+    in_steps = extended.step_all_reduce()
+    if in_steps is not None and in_steps is not extended.cross_device_ops:
+        return f"{all_reduce_name(in_steps, communication)} in steps, {all_reduce} outside them"
+    if given_ops is not None and in_steps is None and per_replica_steps:
+        per_replica_ops(type(given_ops).__name__)
+        return all_reduce + " (in steps too: steps traced per replica)"
+    return all_reduce
+
+
 def announce(what: str, num_replicas: int, devices: Sequence[str], all_reduce: str,
              num_workers: int = 1, worker_index: int = 0) -> str:
     """Logs (and returns) the strategy's start-up line."""
@@ -57,6 +73,7 @@ def announce(what: str, num_replicas: int, devices: Sequence[str], all_reduce: s
     line = f"{what}: {num_replicas} replica(s) on {where}; all-reduce: {all_reduce}"
     logger.info(line)
     return line
+
 
 def per_replica_ops(name: str) -> str:
     """Logs (at WARNING, once per strategy) that a given non-collective all-reduce is kept in steps."""

@@ -309,13 +309,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         self.shard_optimizer_state = check_bool("shard_optimizer_state", shard_optimizer_state)
         trace_once = check_bool("trace_once", trace_once)
         given_ops = cross_device_ops
-        if cross_device_ops is not None and not isinstance(
-            cross_device_ops, tf.distribute.CrossDeviceOps
-        ):
-            raise ArgumentError(
-                "cross_device_ops must be a tf.distribute.CrossDeviceOps such as "
-                f"tf.distribute.ReductionToOneDevice(), got {cross_device_ops!r}."
-            )
+        if cross_device_ops is not None and not isinstance(cross_device_ops, tf.distribute.CrossDeviceOps):
+            raise ArgumentError("cross_device_ops must be a tf.distribute.CrossDeviceOps such as "
+                                f"tf.distribute.ReductionToOneDevice(), got {cross_device_ops!r}.")
         communication = check_choice(
             "communication", communication.lower() if isinstance(communication, str) else communication,
             sorted(_COMMUNICATION),
@@ -372,15 +368,9 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             preemption.make_sigterm_fatal()  # the coordination service had caught it
         _compat.install()
         keras_trainer.register_strategy(self)
-        all_reduce = _announce.all_reduce_name(extended.cross_device_ops, communication)
-        in_steps = extended.step_all_reduce()
-        if in_steps is not None and in_steps is not extended.cross_device_ops:
-            all_reduce = (f"{_announce.all_reduce_name(in_steps, communication)} in steps, "
-                          f"{all_reduce} outside them")
-        elif given_ops is not None and in_steps is None and trace_once and (
-                self.num_replicas_in_sync > 1 and devices_per_replica == 1):
-            all_reduce += " (in steps too: steps traced per replica)"
-            _announce.per_replica_ops(type(given_ops).__name__)
+        all_reduce = _announce.strategy_all_reduce(
+            extended, communication, given_ops,
+            trace_once and self.num_replicas_in_sync > 1 and devices_per_replica == 1)
         _announce.announce(
             "ReplicatorStrategy", self.num_replicas_in_sync, self.mesh.devices, all_reduce,
             self.num_workers, self.worker_index,
