@@ -165,11 +165,21 @@ def pendulum_runs(seeds, out: str, flags=()) -> list[dict]:
     """`pendulum_run` for each seed, one after the other; writes ``out`` (JSON) and its .md table."""
     import tempfile
 
+    # Checked before the first run (each takes minutes): a missing folder used to lose them all.
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--out {out!r}: its folder {folder!r} does not exist")
     runs = []
     with tempfile.TemporaryDirectory(prefix="d4pg_runs_") as tmp:
         for seed in seeds:
             runs.append(pendulum_run(seed, os.path.join(tmp, f"seed{seed}"), flags))
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "curve_csv"}), flush=True)
+    write_pendulum_runs(runs, out, flags)
+    return runs
+
+
+def write_pendulum_runs(runs: list[dict], out: str, flags=()) -> None:
+    """Writes ``out`` (JSON) and its .md table from `pendulum_run`'s records."""
     with open(out, "w") as f:
         json.dump({"flags": list(flags), "cpu_count": os.cpu_count(), "runs": runs}, f, indent=1)
     lines = ["| seed | mean | std | worst | updates per env step | wall time | load average |",
@@ -187,7 +197,6 @@ def pendulum_runs(seeds, out: str, flags=()) -> list[dict]:
     with open(os.path.splitext(out)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return runs
 
 
 def main(argv=None) -> int:
