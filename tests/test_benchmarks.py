@@ -515,3 +515,17 @@ def test_peers_rounds_alternate_the_stacks():
     assert orders == [["ours", "stock", "jax"], ["stock", "jax", "ours"], ["jax", "ours", "stock"]]
     model_parallel = runs_of_round(0, ["ours", "stock", "jax"], ["lm_mp"], [1, 2])
     assert [(r["stack"], r["devices"]) for r in model_parallel] == [("ours", 2), ("jax", 2)]
+
+
+def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path):
+    """Five runs take half an hour: a folder that is not there is said before the first starts."""
+    from benchmarks import d4pg
+
+    started = []
+    d4pg_run, d4pg.pendulum_run = d4pg.pendulum_run, lambda *a, **k: started.append(a)
+    try:
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            d4pg.pendulum_runs([0], str(tmp_path / "absent" / "runs.json"))
+    finally:
+        d4pg.pendulum_run = d4pg_run
+    assert started == []
