@@ -293,10 +293,14 @@ def activity_divided_by_batch() -> bool:
     Feature-detected by behaviour: an `Identity` layer whose regularizer sums its
     output, called on 4 rows of ones, adds 1.0 (divided: keras#22021) or 4.0 (the sum).
     """
-    with tf.init_scope():
-        layer = keras.layers.Identity(activity_regularizer=ops.sum)
-        layer(np.ones((4, 1), "float32"))
-        values = [float(v) for v in layer.losses]
+    _state.probing = True  # (the probe's own add_loss is Keras's)
+    try:
+        with tf.init_scope():
+            layer = keras.layers.Identity(activity_regularizer=ops.sum)
+            layer(np.ones((4, 1), "float32"))
+            values = [float(v) for v in layer.losses]
+    finally:
+        _state.probing = False
     if values == [1.0]:
         return True
     if values == [4.0]:
@@ -328,8 +332,8 @@ def _marks_activity_sums(original):
 
     @functools.wraps(original)
     def add_loss(self, loss):
-        if (not activity_divided_by_batch() and sys._getframe(1).f_code is _LAYER_CALL_CODE
-                and _replica_context() is not None):
+        if (sys._getframe(1).f_code is _LAYER_CALL_CODE and not getattr(_state, "probing", False)
+                and _replica_context() is not None and not activity_divided_by_batch()):
             marks = _state.__dict__.setdefault("activity", {})
             for term in tree.flatten(loss):
                 marks[id(term)] = term  # held: its id stays unique while marked
