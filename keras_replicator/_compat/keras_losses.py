@@ -296,7 +296,8 @@ def activity_divided_by_batch() -> bool:
     _state.probing = True  # (the probe's own add_loss is Keras's)
     try:
         with tf.init_scope():
-            layer = keras.layers.Identity(activity_regularizer=ops.sum)
+            # (named: an automatic name would take "identity" from the user's next Identity)
+            layer = keras.layers.Identity(name="kr_activity_probe", activity_regularizer=ops.sum)
             layer(np.ones((4, 1), "float32"))
             values = [float(v) for v in layer.losses]
     finally:
