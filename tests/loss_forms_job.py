@@ -3,6 +3,7 @@
 Usage::
 
     python tests/loss_forms_job.py one OUT.json        # one device, no strategy (the reference)
+    python tests/loss_forms_job.py one OUT.json regularizers/sgd   # one device, those cells only
     python tests/loss_forms_job.py stock OUT.json sgd  # stock tf.distribute.MirroredStrategy, 4 CPU devices
     python tests/loss_forms_job.py workers OUT_DIR     # each of 2 launched workers x 2 devices
 
@@ -229,8 +230,10 @@ def train_cells(strategy=None, forms=FORMS, optimizers=OPTIMIZERS) -> dict:
 def main(argv: list[str]) -> None:
     mode, out, *optimizers = argv
     if mode == "one":
+        cells = [cell.split("/") for cell in optimizers]  # (here: cells, "form/optimizer")
+        results = ({f"{f}/{o}": train_cell(None, f, o) for f, o in cells} if cells else train_cells())
         with open(out, "w") as f:
-            json.dump(train_cells(), f)
+            json.dump(results, f)
         return
     if mode == "stock":
         import tensorflow as tf

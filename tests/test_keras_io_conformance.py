@@ -29,7 +29,10 @@ def one_device(tmp_path_factory):
         yield result
 
 
-@pytest.mark.parametrize("name", sorted(programs.PROGRAMS))
+# The VAE in the core subset: a model that needs a batch to build, whose build reads one from
+# Keras's epoch iterator (its items are 2-tuples on Keras 3.8-3.10, 3-tuples on 3.11+).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.core) if n == "vae" else n
+                                  for n in sorted(programs.PROGRAMS)])
 def test_program_matches_one_device(name, one_device):
     ours = programs.PROGRAMS[name](kr.ReplicatorStrategy())
     reference = one_device()[name]

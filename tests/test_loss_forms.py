@@ -67,6 +67,22 @@ def test_four_replicas_match_one_device(one_device):
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.core
+def test_activity_regularizer_matches_one_device(tmp_path):
+    """An activity regularizer's term: a sum over the rows on Keras 3.8-3.14, a mean on 3.15.
+
+    On Keras 3.10 before `keras_losses` told them apart, the term trained 4 times too
+    weakly (weights 1.4e-2 from one device). One cell (L2 on the kernel, L1 on the
+    activity, SGD), the short last batch's unequal shares included.
+    """
+    out = tmp_path / "one.json"
+    with json_from_fresh_interpreter([JOB, "one", str(out), "regularizers/sgd"], out,
+                                     timeout=600) as reference:
+        ours = job.train_cells(kr.ReplicatorStrategy(), forms=("regularizers",), optimizers=("sgd",))
+        bad = mismatches(ours, reference())
+    assert not bad, "; ".join(bad)
+
+
 def test_two_workers_of_two_replicas_match_one_device(tmp_path, one_device):
     out = io.StringIO()
     code = launcher.launch(JOB, ["workers", str(tmp_path)], workers=2, devices_per_worker=2,

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import random as tf_random
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.layers import layer as keras_layer
 from keras.src.random import seed_generator
 from keras.src.trainers import epoch_iterator
 
@@ -26,6 +27,7 @@ from keras_replicator._compat import (
     exhausted_step,
     keras_batch_norm,
     keras_fsdp,
+    keras_losses,
     keras_optimizer,
     keras_seed_generator,
     keras_sharded_optimizer,
@@ -164,6 +166,31 @@ def test_seed_generator_refuses_a_dropout_that_does_not_draw_its_seed(monkeypatc
     changed = modified(tf_random.dropout, "draw_seed(seed)", "seed")
     monkeypatch.setattr(tf_random, "dropout", changed)
     _refused(keras_seed_generator.PATCH, "random.dropout", "draw_seed")
+
+
+def _layer_call_with(old: str, new: str):
+    """`Layer.__call__` recompiled with `old` replaced by `new` (its `super()` made explicit)."""
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(keras_layer.Layer.__call__)))
+    assert old in source
+    source = source.replace("super()", "super(Layer, self)").replace(old, new)
+    namespace = dict(keras_layer.__dict__)
+    exec(compile(source, "<modified Layer.__call__>", "exec"), namespace)
+    return namespace["__call__"]
+
+
+def test_losses_refuse_an_activity_term_neither_summed_nor_divided_by_the_batch(monkeypatch):
+    patch = _patch(keras_losses.PATCHES, keras_layer.Layer, "add_loss")
+    doubled = _layer_call_with("self.add_loss(", "self.add_loss(2.0 * ")
+    without_add_loss = _layer_call_with("self.add_loss(", "self._losses.append(")
+    monkeypatch.setattr(keras_layer.Layer, "__call__", doubled)
+    keras_losses.activity_divided_by_batch.cache_clear()
+    try:
+        with pytest.raises(versions.IncompatiblePatchError, match="neither the sum"):
+            keras_losses.activity_divided_by_batch()
+        monkeypatch.setattr(keras_layer.Layer, "__call__", without_add_loss)
+        _refused(patch, "Layer.__call__", "no longer calls add_loss")
+    finally:
+        keras_losses.activity_divided_by_batch.cache_clear()
 
 
 def test_a_refused_patch_set_patches_nothing():

@@ -44,9 +44,11 @@ def test_installed_versions_are_within_the_checked_ranges():
 
 
 def test_every_compat_module_has_a_checked_range():
+    # patching and model_parallel_hooks touch no TensorFlow or Keras API (the patch mechanism; the
+    # registry of model_parallel's modules for the layout patches).
     modules = {
         name[:-3] for name in os.listdir(COMPAT)
-        if name.endswith(".py") and name not in ("__init__.py", "patching.py")
+        if name.endswith(".py") and name not in ("__init__.py", "patching.py", "model_parallel_hooks.py")
     }
     assert modules == set(_compat.CHECKED), "keep _compat.CHECKED and its table in step with the modules"
     for module in modules:
@@ -295,3 +297,17 @@ def test_compat_hands_nothing_back_to_keras_distribution():
     assert not _reaches(graph, "keras_replicator._compat.keras_distribution",
                         "keras_replicator.keras_distribution")
     assert not _reaches(graph, "keras_replicator.versions", "keras_replicator._compat")
+
+
+def test_compat_reaches_no_public_module_of_model_parallel():
+    """`_compat`'s layout and checkpoint patches get `model_parallel`'s modules registered
+    (`_compat.model_parallel_hooks`, issue 52): no import path, lazy ones included, leads from
+    `_compat` to `keras_replicator.model_parallel`, and the package has no import cycle."""
+    graph = _import_graph()
+    compat = [m for m in graph if m.startswith("keras_replicator._compat")]
+    for module in compat:
+        for target in ("keras_replicator.model_parallel", "keras_replicator.model_parallel.sharding"):
+            assert not _reaches(graph, module, target), f"{module} reaches {target}"
+    cycles = [m for m in graph if any(_reaches(graph, n, m) for n in graph[m])]
+    assert not cycles, f"modules in an import cycle: {sorted(cycles)}"
+

@@ -12,8 +12,11 @@ it before the run (`pip install keras==...`: seconds), so one venv serves every 
 on that TensorFlow. The package itself is imported from this checkout (`PYTHONPATH`),
 not installed. KerasHub's core test runs only where the venv has keras-hub.
 
-Prints one line per pair (passed or failed, minutes, venv setup included) and a
-closing table; exits non-zero if any pair failed.
+Each pair also checks pip: `pip install --dry-run ".[cpu]"` in its venv (which holds the pair)
+must install keras-replicator and nothing else (it keeps the pair's TensorFlow and Keras).
+
+Prints one line per pair (passed or failed, the tests passed/failed/skipped, minutes, venv
+setup included) and a closing table; exits non-zero if any pair failed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,6 +89,30 @@ def _has(python: str, module: str) -> bool:
     return subprocess.run([python, "-c", code]).returncode == 0
 
 
+def pip_keeps(python: str) -> list[str]:
+    """What `pip install --dry-run ".[cpu]"` would install in the venv of `python` (names)."""
+    out = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
+                          "--disable-pip-version-check", ".[cpu]"], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    return sorted(item["metadata"]["name"] for item in json.loads(out.stdout)["install"])
+
+
+_COUNTS = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped$")
+
+
+def _run_core(python: str, files: list[str], env: dict) -> tuple[int, dict]:
+    """Runs the core subset (its output passed through); its exit code and closing counts."""
+    proc = subprocess.Popen([python, "-m", "tests.run_suite", "-m", "core", *files], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counts = {}
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        found = _COUNTS.match(line.strip())
+        if found:
+            counts = dict(zip(("tests_passed", "tests_failed", "tests_skipped"), map(int, found.groups())))
+    return proc.wait(), counts
+
+
 def run_pair(tensorflow: str, keras: str) -> dict:
     """Sets up the pair's venv and runs the core subset there; returns its result."""
     start = time.monotonic()
@@ -92,11 +120,13 @@ def run_pair(tensorflow: str, keras: str) -> dict:
     setup = time.monotonic() - start
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     files = core_files(_has(python, "keras_hub"))
-    code = subprocess.run([python, "-m", "tests.run_suite", "-m", "core", *files], cwd=ROOT,
-                          env=env).returncode
-    return {"tensorflow": tensorflow, "keras": keras, "passed": code == 0,
-            "setup_minutes": round(setup / 60, 1),
-            "minutes": round((time.monotonic() - start) / 60, 1)}
+    code, counts = _run_core(python, files, env)
+    minutes = round((time.monotonic() - start) / 60, 1)
+    would_install = pip_keeps(python)
+    return {"tensorflow": tensorflow, "keras": keras,
+            "passed": code == 0 and would_install == ["keras-replicator"], **counts,
+            "pip_would_install": would_install, "setup_minutes": round(setup / 60, 1),
+            "minutes": minutes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"versions: TF {tensorflow} + Keras {keras}: "
               f"{'passed' if result['passed'] else 'FAILED'} in {result['minutes']} min "
-              f"(venv {result['setup_minutes']} min)", flush=True)
-    print("\n| TensorFlow | Keras | core subset | minutes (venv) |\n|---|---|---|---|")
+              f"(venv {result['setup_minutes']} min); pip would install {result['pip_would_install']}",
+              flush=True)
+    print("\n| TensorFlow | Keras | core subset | passed/failed/skipped | pip keeps the pair | "
+          "minutes (venv) |\n|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['tensorflow']} | {r['keras']} | {'passed' if r['passed'] else 'FAILED'} | "
+        tests = "/".join(str(r.get(k, "?")) for k in ("tests_passed", "tests_failed", "tests_skipped"))
+        print(f"| {r['tensorflow']} | {r['keras']} | {'passed' if r['passed'] else 'FAILED'} | {tests} | "
+              f"{'yes' if r['pip_would_install'] == ['keras-replicator'] else r['pip_would_install']} | "
               f"{r['minutes']} ({r['setup_minutes']}) |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -49,10 +49,9 @@ from keras.src.layers import Layer as _Layer
 from keras.src.trainers.trainer import Trainer
 
 from keras_replicator._compat import sharded_checkpoints
+from keras_replicator._compat.model_parallel_hooks import mp
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import fsdp, parallel_layers, sharding, whole_state
-from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
 _POSITIONAL = ("shape", "initializer", "dtype")
 
@@ -66,7 +65,7 @@ def variable_path(layer, name: str) -> str:
 
 def _sharded_add_weight(original):
     def add_weight(self, *args, **kwargs):
-        model_sharding = sharding.current()
+        model_sharding = mp.sharding.current()
         if model_sharding is None or len(args) > len(_POSITIONAL):
             return original(self, *args, **kwargs)
         kwargs.update(zip(_POSITIONAL, args))
@@ -86,9 +85,9 @@ def _sharded_add_weight(original):
     return add_weight
 
 
-def _sharded(layer, attribute: str) -> ShardedVariable | None:
+def _sharded(layer, attribute: str) -> mp.ShardedVariable | None:
     value = layer.__dict__.get(attribute)
-    if not isinstance(value, ShardedVariable):
+    if not isinstance(value, mp.ShardedVariable):
         return None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return None
@@ -101,7 +100,7 @@ def _dense_call(original):
     def call(self, inputs, training=None):
         kernel = _sharded(self, "_kernel")
         if kernel is not None:
-            return parallel_layers.dense(inputs, kernel, self.bias, self.activation)
+            return mp.parallel_layers.dense(inputs, kernel, self.bias, self.activation)
         return original(self, inputs, training=training)
 
     return call
@@ -111,7 +110,7 @@ def _einsum_dense_call(original):
     def call(self, inputs, training=None):
         kernel = _sharded(self, "_kernel")
         if kernel is not None:
-            y = parallel_layers.einsum_dense(self.equation, inputs, kernel, self.bias, self.activation)
+            y = mp.parallel_layers.einsum_dense(self.equation, inputs, kernel, self.bias, self.activation)
             if y is not None:
                 return y
         return original(self, inputs, training=training)
@@ -123,7 +122,7 @@ def _embedding_call(original):
     def call(self, inputs):
         table = _sharded(self, "_embeddings")
         if table is not None:
-            return parallel_layers.embedding(inputs, table, self.compute_dtype)
+            return mp.parallel_layers.embedding(inputs, table, self.compute_dtype)
         return original(self, inputs)
 
     return call
@@ -184,7 +183,7 @@ def _attention_by_heads(self, query, value, key, attention_mask, training, retur
     for name, dense, x in (("q", self.query_dense, query), ("k", self.key_dense, key),
                            ("v", self.value_dense, value)):
         kernel = dense.__dict__["_kernel"]
-        parts = parallel_layers.column_parallel_einsum(dense.equation, x, kernel)
+        parts = mp.parallel_layers.column_parallel_einsum(dense.equation, x, kernel)
         per_head[name] = []
         for j, part in enumerate(parts):
             bias = _bias_slice(dense.bias, j, kernel.num_shards)
@@ -199,7 +198,7 @@ def _attention_by_heads(self, query, value, key, attention_mask, training, retur
                                                      return_attention_scores))
         outputs.append(out)
         scores.append(score)
-    y = parallel_layers.row_parallel_einsum(self.output_dense.equation, outputs, output_kernel)
+    y = mp.parallel_layers.row_parallel_einsum(self.output_dense.equation, outputs, output_kernel)
     if self.output_dense.bias is not None:
         y = keras.ops.add(y, self.output_dense.bias)
     if query_mask is not None:
@@ -226,13 +225,13 @@ def _attention_call(original):
 @contextlib.contextmanager
 def whole_variables(root) -> Iterator[None]:
     """While inside, `root`'s layers list each `ShardedVariable` in place of its shards."""
-    if not sharding.created_any.is_set() or not isinstance(root, _Layer):
+    if not mp.sharding.created_any.is_set() or not isinstance(root, _Layer):
         yield
         return
     swapped = []
     try:
         for layer in root._flatten_layers(include_self=True, recursive=True):
-            groups = {id(s): v for v in sharding.sharded_variables(layer) for s in v.shards}
+            groups = {id(s): v for v in mp.sharding.sharded_variables(layer) for s in v.shards}
             if not groups:
                 continue
             for attribute in ("_trainable_variables", "_non_trainable_variables"):
@@ -253,7 +252,7 @@ def whole_variables(root) -> Iterator[None]:
 
 def _slot_beside_shard(original):
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        home = sharding.shard_home(reference_variable)
+        home = mp.sharding.shard_home(reference_variable)
         if home is None:
             return original(self, reference_variable, *args, **kwargs)
         placement, j = home
@@ -261,8 +260,8 @@ def _slot_beside_shard(original):
         # an eager colocation is ignored, so the shard's device is set here too.
         with placement.variables(j):
             slot = original(self, reference_variable, *args, **kwargs)
-        fsdp.mark_like(slot, reference_variable)  # a slot of a variable split over the replicas is too
-        whole_state.record_slot(slot, reference_variable)  # saved whole with its shards' others
+        mp.fsdp.mark_like(slot, reference_variable)  # a slot of a variable split over the replicas is too
+        mp.whole_state.record_slot(slot, reference_variable)  # saved whole with its shards' others
         return slot
 
     return add_variable_from_reference
@@ -272,7 +271,7 @@ def _check_rules(model, where: str) -> None:
     model_sharding = getattr(getattr(model, "distribute_strategy", None), "model_sharding", None)
     if model_sharding is not None:
         model_sharding.check_rules(where)  # LayoutWarning, or LayoutError with strict_layouts=True
-        fsdp.check_optimizer(model)
+        mp.fsdp.check_optimizer(model)
 
 
 def _check_at_compile(original):

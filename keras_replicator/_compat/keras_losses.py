@@ -5,8 +5,9 @@ for keras_replicator's strategies, in a replica context of more than one
 replica): `TensorFlowTrainer.train_step` / `test_step` (the default steps, not
 a model's own), `Trainer._compute_loss` / `Trainer.compute_loss` (the base
 methods), `keras.src.losses.loss.reduce_values`,
-`keras.src.losses.loss.unscale_loss_for_distribution`, and
-`TensorFlowTrainer._aggregate_additional_loss`.
+`keras.src.losses.loss.unscale_loss_for_distribution`,
+`TensorFlowTrainer._aggregate_additional_loss` and (its activity-regularizer
+calls only, where Keras does not divide the term by the batch) `Layer.add_loss`.
 
 Why: Keras's TensorFlow trainer gets the replicas' share of the loss by
 scaling at the leaves. `reduce_values` multiplies a `keras.losses` object's
@@ -44,13 +45,19 @@ multiplied by the replica's share `rows / global rows` (an all-reduce of the
 row count; in an XLA-compiled step, where no collective can run, `1 / N`): the
 summed gradients are one device's, for equal and unequal shares.
 
+An activity regularizer's term (`Layer.__call__`'s `add_loss`): Keras 3.15 divides
+it by the batch size (keras-team/keras#22021, fixing #22018), a mean this module
+keeps as it is; Keras 3.8-3.14 adds the sum over the rows, which one device sums
+over the whole batch. Which one this Keras does is feature-detected, by behaviour
+(`activity_divided_by_batch`: a layer called on 4 rows, checked when the patches
+are installed); where Keras sums, the term a replica's `Layer.__call__` adds (an
+installed patch of `Layer.add_loss`, acting only on its calls from `Layer.__call__`
+under our strategies) is counted as a sum over the replica's rows: divided by the
+replica's share, as a per-sample `add_loss` is (before the fix: N times too weak,
+measured on Keras 3.10: weights 1.4e-2 from one device after 2 epochs).
+
 Checked on Keras 3.15 (the loss-form matrix, tests/test_loss_forms.py) and on
-Keras 3.8 and 3.10 (the suite's core subset; on 3.10 the matrix too). One
-known difference there: Keras before 3.15 adds an activity regularizer's term
-as the sum over the replica's rows, not divided by the batch size as 3.15
-does, and this module counts that scalar as a mean: such a model trains with
-the activity term N times too weak (measured on Keras 3.10: weights 1.4e-2 from
-one device after 2 epochs; every other form equal).
+Keras 3.8-3.15 (the suite's core subset, its activity-regularizer cell included).
 
 Not covered (they keep Keras's scaling): a loss object called in a model's own
 `train_step` outside `compute_loss` (keras-io's GANs: right for equal shares)
@@ -62,18 +69,24 @@ loop: `tf.nn.compute_average_loss`).
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import threading
 
+import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.layers import layer as layer_module
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_replicator._compat import short_batches
-from keras_replicator._compat.patching import ScopedPatch, ours
+from keras_replicator._compat.patching import ScopedPatch, behaves, calls, ours
+from keras_replicator.versions import IncompatiblePatchError
 
 _state = threading.local()
 
@@ -172,6 +185,7 @@ def _default_step(original):
         if ctx is None or _current() is not None:
             return original(self, data)
         x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        _state.activity = {}  # a new step's trace: the marks of earlier ones are done with
         with _Region(_make_step(ctx, x, data), 0):
             return original(self, data)
 
@@ -260,11 +274,73 @@ def _one_device_additional_loss(original):
         if step is None or _replica_context() is None:
             return original(self, loss)
         total = base_trainer.Trainer._aggregate_additional_loss(self, loss)  # cast, summed
-        if len(loss.shape) > 0 and _per_row(loss, step):
+        if (len(loss.shape) > 0 and _per_row(loss, step)) or _activity_sum(loss):
             total = tf.math.divide_no_nan(total, tf.cast(step.share, total.dtype))
         return total
 
     return aggregate
+
+
+# The code of Keras's `Layer.__call__` (the one caller of `add_loss` whose terms are activity
+# regularizers'), under Keras's traceback-filtering decorator.
+_LAYER_CALL_CODE = inspect.unwrap(layer_module.Layer.__call__).__code__
+
+
+@functools.cache
+def activity_divided_by_batch() -> bool:
+    """Whether this Keras divides an activity regularizer's term by the batch size (Keras 3.15+).
+
+    Feature-detected by behaviour: an `Identity` layer whose regularizer sums its
+    output, called on 4 rows of ones, adds 1.0 (divided: keras#22021) or 4.0 (the sum).
+    """
+    _state.probing = True  # (the probe's own add_loss is Keras's)
+    try:
+        with tf.init_scope():
+            # (named: an automatic name would take "identity" from the user's next Identity)
+            layer = keras.layers.Identity(name="kr_activity_probe", activity_regularizer=ops.sum)
+            layer(np.ones((4, 1), "float32"))
+            values = [float(v) for v in layer.losses]
+    finally:
+        _state.probing = False
+    if values == [1.0]:
+        return True
+    if values == [4.0]:
+        return False
+    raise IncompatiblePatchError(
+        "keras_replicator._compat.keras_losses: an activity regularizer summing 4 rows of ones "
+        f"added {values} through Layer.__call__, neither the sum (4.0, Keras 3.8-3.14) nor the "
+        "mean (1.0, Keras 3.15): this Keras counts activity terms in a way keras_losses does "
+        "not know, so it cannot give the replicas one device's term. Use a supported pair "
+        "(keras_replicator.versions).")
+
+
+def _activity_probe() -> str | None:
+    activity_divided_by_batch()  # raises IncompatiblePatchError where it is neither
+    return None
+
+
+def _activity_sum(loss) -> bool:
+    """Whether `loss` is an activity regularizer's sum over the replica's rows (marked by `add_loss`)."""
+    return getattr(_state, "activity", {}).get(id(loss)) is loss
+
+
+def _marks_activity_sums(original):
+    """`Layer.add_loss`: an activity regularizer's term is marked as a sum over the replica's rows.
+
+    Only its calls from `Layer.__call__` (the activity regularizer) under our strategies, and
+    only where this Keras does not divide the term by the batch (Keras 3.8-3.14).
+    """
+
+    @functools.wraps(original)
+    def add_loss(self, loss):
+        if (sys._getframe(1).f_code is _LAYER_CALL_CODE and not getattr(_state, "probing", False)
+                and _replica_context() is not None and not activity_divided_by_batch()):
+            marks = _state.__dict__.setdefault("activity", {})
+            for term in tree.flatten(loss):
+                marks[id(term)] = term  # held: its id stays unique while marked
+        return original(self, loss)
+
+    return add_loss
 
 
 def _unscale(original):
@@ -300,4 +376,8 @@ PATCHES = (
     ScopedPatch(loss_module, "reduce_values", _one_device_reduce_values),
     ScopedPatch(loss_module, "unscale_loss_for_distribution", _unscale),
     ScopedPatch(tf_trainer.TensorFlowTrainer, "_aggregate_additional_loss", _one_device_additional_loss),
+    ScopedPatch(layer_module.Layer, "add_loss", _marks_activity_sums, guards=(
+        calls("keras Layer.__call__", lambda: layer_module.Layer.__call__, "activity_regularizer",
+              "add_loss"),
+        behaves("keras Layer.__call__'s activity-regularizer term", _activity_probe))),
 )

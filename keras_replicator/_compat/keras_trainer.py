@@ -157,7 +157,8 @@ def _symbolic_build_from_first_replica(original):
                         if optimizer_unbuilt and self.optimizer.built:
                             raise  # the optimizer's build failed: no batch changes that
 
-                for _, _, it in iterator:
+                # (step, iterator) on Keras 3.8-3.10, (begin, end, iterator) on 3.11+.
+                for *_, it in iterator:
                     batch = next(it)
                     data_batch = short_batches.unwrap_spec(
                         tf.nest.map_structure(lambda v: _first_replica(strategy, v), batch))

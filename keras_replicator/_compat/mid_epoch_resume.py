@@ -140,18 +140,20 @@ def _fast_forward(self, original, epoch: int, step: int):
     taken and dropped, Keras's own bookkeeping run). Deterministic input (no
     reshuffling, or seeded) gives the batches the uninterrupted run had.
     """
+    # Keras's items: (step, iterator) on Keras 3.8-3.10, (begin, end, iterator) on 3.11+.
     for _ in range(epoch if self.steps_per_epoch else 0):
-        for _, _, it in original(self):
+        for *_, it in original(self):
             if not _consume(it, self.steps_per_execution):
                 self._current_iterator = None
                 break
-    for begin, end, it in original(self):
+    for item in original(self):
+        begin, it = item[0], item[-1]
         if begin < step:
             if not _consume(it, self.steps_per_execution):
                 self._current_iterator = None
                 return
             continue
-        yield begin, end, it
+        yield item
 
 
 def resume_from_mid_epoch(original):

@@ -38,10 +38,9 @@ from keras.src.backend.tensorflow.layer import TFLayer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from tensorflow.python.trackable import base as trackable_base
 
+from keras_replicator._compat.model_parallel_hooks import mp
 from keras_replicator._compat.patching import ScopedPatch
 from keras_replicator.errors import LayoutError
-from keras_replicator.model_parallel import sharding, whole_state
-from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 
 _CHECKPOINT = trackable_base.SaveType.CHECKPOINT
 # optimizer -> its slot views (`whole_views`' cache) and its WholeLists, by attribute name.
@@ -77,7 +76,7 @@ def check_shape(view, shape) -> None:
 
 def _trackable(item):
     """The checkpointed object of one of `whole_views`' items (`None`: not checkpointed)."""
-    if isinstance(item, ShardedVariable):
+    if isinstance(item, mp.ShardedVariable):
         trackable = item.__dict__.get("_kr_trackable")
         if trackable is None:
             trackable = item.__dict__["_kr_trackable"] = WholeVariable(item)
@@ -86,7 +85,7 @@ def _trackable(item):
 
 
 def _holds_shards(items) -> bool:
-    return any(sharding.owner(v) is not None or whole_state.slot_reference(v) is not None
+    return any(mp.sharding.owner(v) is not None or mp.whole_state.slot_reference(v) is not None
                for v in items if v is not None)
 
 
@@ -100,12 +99,12 @@ class WholeList(trackable_base.Trackable):
     def _elements(self) -> list:
         optimizer = self._optimizer()
         items = list(getattr(optimizer, self._name, None) or []) if optimizer is not None else []
-        return whole_state.whole_views(items, _views.setdefault(optimizer, {}))
+        return mp.whole_state.whole_views(items, _views.setdefault(optimizer, {}))
 
     def _trackable_children(self, save_type=_CHECKPOINT, **kwargs):
         children = {}
         for i, item in enumerate(self._elements()):
-            trackable = None if item is whole_state.INCOMPLETE else _trackable(item)
+            trackable = None if item is mp.whole_state.INCOMPLETE else _trackable(item)
             if trackable is not None:
                 children[str(i)] = trackable
         return children
@@ -140,7 +139,7 @@ def _whole_list(optimizer, name: str) -> WholeList:
 def _optimizer_children(original):
     def _trackable_children(self, save_type=_CHECKPOINT, **kwargs):
         children = original(self, save_type, **kwargs)
-        if save_type != _CHECKPOINT or not sharding.created_any.is_set():
+        if save_type != _CHECKPOINT or not mp.sharding.created_any.is_set():
             return children
         for name, child in list(children.items()):
             # Unbuilt: its lists may get shards' slots later (restore-on-create waits in the WholeList).
@@ -153,7 +152,7 @@ def _optimizer_children(original):
 
 def _optimizer_deferred(original):
     def _handle_deferred_dependencies(self, name, trackable):
-        if sharding.created_any.is_set() and isinstance(trackable, list) and _holds_shards(trackable):
+        if mp.sharding.created_any.is_set() and isinstance(trackable, list) and _holds_shards(trackable):
             trackable = _whole_list(self, name)
         original(self, name, trackable)
         # Keras assigns a slot list once its slots exist: the lists' waiting children can be restored.
@@ -165,10 +164,10 @@ def _optimizer_deferred(original):
 def _layer_children(original):
     def _trackable_children(self, save_type=_CHECKPOINT, **kwargs):
         children = original(self, save_type, **kwargs)
-        if save_type != _CHECKPOINT or not sharding.sharded_variables(self):
+        if save_type != _CHECKPOINT or not mp.sharding.sharded_variables(self):
             return children
         for name, value in vars(self).items():
-            if isinstance(value, ShardedVariable) and not name.startswith("_kr_"):
+            if isinstance(value, mp.ShardedVariable) and not name.startswith("_kr_"):
                 children[name] = _trackable(value)
         return children
 
@@ -182,9 +181,9 @@ def _whole_slots(original):
         # Swapped in __dict__: an attribute assignment would also replace the optimizer's
         # TensorFlow dependency `_variables` (what tf.train.Checkpoint saves) with the views.
         before = self.__dict__["_variables"]
-        if not sharding.created_any.is_set() or not _holds_shards(before):
+        if not mp.sharding.created_any.is_set() or not _holds_shards(before):
             return original(self, store)
-        self.__dict__["_variables"] = whole_state.whole_views(before, _views.setdefault(self, {}))
+        self.__dict__["_variables"] = mp.whole_state.whole_views(before, _views.setdefault(self, {}))
         try:
             return original(self, store)
         finally:

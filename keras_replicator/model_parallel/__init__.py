@@ -17,12 +17,22 @@ One engine, in layers that build on each other:
 * `memory`: bytes per device, from where each variable lives.
 """
 
+from keras_replicator._compat import model_parallel_hooks as _hooks
+from keras_replicator.model_parallel import fsdp as _fsdp
+from keras_replicator.model_parallel import parallel_layers as _parallel_layers
+from keras_replicator.model_parallel import sharding as _sharding
+from keras_replicator.model_parallel import whole_state as _whole_state
 from keras_replicator.model_parallel.layout import LayoutRules
 from keras_replicator.model_parallel.logical_device import logical_device
 from keras_replicator.model_parallel.memory import bytes_per_device, training_bytes_per_device
 from keras_replicator.model_parallel.mesh import ReplicaMesh
 from keras_replicator.model_parallel.sharded_variable import ShardedVariable
 from keras_replicator.model_parallel.sharding import ModelSharding
+
+# `_compat`'s layout and checkpoint patches call these: handed over here, so that `_compat`
+# never imports the public side (no import cycle; `_compat.model_parallel_hooks`).
+_hooks.register(sharding=_sharding, fsdp=_fsdp, parallel_layers=_parallel_layers,
+                whole_state=_whole_state, sharded_variable=ShardedVariable)
 
 __all__ = ["LayoutRules", "ModelSharding", "ReplicaMesh", "ShardedVariable", "bytes_per_device",
            "logical_device", "training_bytes_per_device"]
