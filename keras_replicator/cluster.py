@@ -19,7 +19,7 @@ from typing import TypeVar
 import tensorflow as tf
 
 from keras_replicator._compat.coordination import tensorflow_initialized
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 from keras_replicator.errors import (
     ClusterConfigError,
     DeviceConfigurationError,
@@ -243,7 +243,7 @@ def tf_config_cluster(
     """
     text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
     if not isinstance(text, str):
-        raise TypeError(f"tf_config must be a JSON string, got {type(text).__name__}.")
+        raise ArgumentError(f"tf_config must be a JSON string, got {type(text).__name__}.")
     if not text.strip():
         return None
     try:
@@ -509,7 +509,7 @@ def resolve_cluster(
                     or jobset_cluster(parameter_servers=True) or slurm_cluster(num_ps=None))
         return tf_config_cluster() or jobset_cluster() or slurm_cluster()
     if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
-        raise TypeError(
+        raise ArgumentError(
             "cluster_resolver must be a tf.distribute.cluster_resolver.ClusterResolver such as "
             f"SimpleClusterResolver or SlurmClusterResolver, got {cluster_resolver!r}."
         )

@@ -16,7 +16,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_replicator._compat import keras_xla, short_batches
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 
 _OPS = ("sum", "mean", "max", "min")
 
@@ -133,7 +133,7 @@ def _batch_rows(x) -> tf.Tensor:
 
 def _check_op(op: str) -> str:
     if not isinstance(op, str) or op.lower() not in _OPS:
-        raise ValueError(f"op must be one of {_OPS}, got {op!r}.")
+        raise ArgumentError(f"op must be one of {_OPS}, got {op!r}.")
     return op.lower()
 
 
@@ -147,7 +147,7 @@ def check_group_size(group_size: int | None, n: int) -> int | None:
         return None
     check_int("group_size", group_size, minimum=1)
     if n % group_size:
-        raise ValueError(
+        raise ArgumentError(
             f"group_size={group_size} does not divide the number of replicas ({n}); "
             "groups are consecutive replicas of equal size."
         )

@@ -56,7 +56,7 @@ import tensorflow as tf
 
 from keras_replicator import input_pipeline, resume
 from keras_replicator._compat import host_iterator, short_batches, tf_data
-from keras_replicator._validation import check_bool, check_choice, check_int
+from keras_replicator._validation import ArgumentError, check_bool, check_choice, check_int
 
 __all__ = [
     "SHARD_POLICIES",
@@ -80,7 +80,7 @@ DatasetOrFn = tf.data.Dataset | Callable[[tf.distribute.InputContext], tf.data.D
 
 def _check_one_batch_size(global_batch_size, per_replica_batch_size) -> None:
     if (global_batch_size is None) == (per_replica_batch_size is None):
-        raise ValueError(
+        raise ArgumentError(
             "Give exactly one of global_batch_size and per_replica_batch_size "
             f"(got global_batch_size={global_batch_size!r}, "
             f"per_replica_batch_size={per_replica_batch_size!r}); the other is derived from "
@@ -97,7 +97,7 @@ def _resolve_global_batch(global_batch_size, per_replica_batch_size, num_replica
         lower = (global_batch_size // num_replicas) * num_replicas
         upper = lower + num_replicas
         suggestion = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(
+        raise ArgumentError(
             f"global_batch_size={global_batch_size} is not divisible by the {num_replicas} "
             f"replicas, so replicas would get different batch sizes. Use a multiple of "
             f"{num_replicas} such as {suggestion}, or give per_replica_batch_size instead."
@@ -158,14 +158,14 @@ def _choose_policy(policy: str, dataset: tf.data.Dataset, from_fn: bool, pipelin
     if policy == "file":
         files = tf_data.count_source_files(dataset)
         if files is None:
-            raise ValueError(
+            raise ArgumentError(
                 "shard_policy='file' could not find the files this dataset reads (it looks for "
                 "TFRecordDataset, TextLineDataset or FixedLengthRecordDataset, directly or inside "
                 "interleave/flat_map, under element-wise transformations). Use shard_policy='data'."
             )
         if files < pipelines:
             source = "does not read files" if files == 0 else f"reads only {files} file(s)"
-            raise ValueError(
+            raise ArgumentError(
                 f"shard_policy='file' needs at least one file per input pipeline ({pipelines}), "
                 f"but the dataset {source}. Split the data into more files, or use "
                 "shard_policy='data' (or 'auto', which picks it)."
@@ -177,7 +177,7 @@ def _check_context(input_context: tf.distribute.InputContext) -> int:
     num_replicas = int(input_context.num_replicas_in_sync)
     pipelines = int(input_context.num_input_pipelines)
     if num_replicas % pipelines:
-        raise ValueError(f"{num_replicas} replicas cannot be shared evenly by {pipelines} input pipelines.")
+        raise ArgumentError(f"{num_replicas} replicas cannot be shared evenly by {pipelines} input pipelines.")
     return num_replicas // pipelines
 
 
@@ -187,7 +187,7 @@ def _shuffle_seed(seed: int | None, shuffles: bool, slice_level: bool, input_con
         return None
     if slice_level:
         if seed is None:
-            raise ValueError(
+            raise ArgumentError(
                 "With data sharding every input pipeline reads all the data and keeps its "
                 "own slice of each global batch, so all must shuffle identically: give seed=."
             )
@@ -236,7 +236,7 @@ class InputFn:
             return self.source
         dataset = self.source(input_context)
         if not isinstance(dataset, tf.data.Dataset):
-            raise TypeError(
+            raise ArgumentError(
                 f"The input_fn must return a tf.data.Dataset, it returned {type(dataset).__name__}."
             )
         return dataset
@@ -257,20 +257,20 @@ class InputFn:
         expected = per_replica if from_fn else global_batch
         if source_batch is not None and source_batch != expected:
             if from_fn:
-                raise ValueError(
+                raise ArgumentError(
                     f"The input_fn returned a dataset batched by {source_batch}, but its batches must be "
                     f"per replica: {expected} (global batch {global_batch} over {num_replicas} replicas; "
                     f"input_context.get_per_replica_batch_size({global_batch}) gives it). Or return the "
                     "dataset unbatched and let distribute_dataset batch it."
                 )
-            raise ValueError(
+            raise ArgumentError(
                 f"The dataset is already batched by {source_batch}, but the global batch size is "
                 f"{global_batch} ({per_replica} per replica on {num_replicas} replicas). Batch it by "
                 f"{global_batch}, or pass it unbatched and let distribute_dataset batch it."
             )
         _check_batch_dimension(dataset.element_spec)
         if self.shuffle_buffer_size is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "shuffle_buffer_size shuffles examples before batching, but this dataset is already "
                 "batched. Shuffle before your .batch(), or pass the dataset unbatched."
             )
@@ -318,7 +318,7 @@ def _static_batch(element_spec) -> int | None:
 def _check_batch_dimension(element_spec) -> None:
     for spec in tf.nest.flatten(element_spec):
         if spec is not None and getattr(spec, "shape", None) is not None and spec.shape.rank == 0:
-            raise ValueError(
+            raise ArgumentError(
                 "The dataset is treated as batched but has scalar components "
                 f"({element_spec}); pass batched=False if it is not batched."
             )
@@ -395,12 +395,12 @@ def make_input_fn(
         An `InputFn`.
     """
     if not isinstance(dataset_or_fn, tf.data.Dataset) and not callable(dataset_or_fn):
-        raise TypeError(
+        raise ArgumentError(
             "distribute_dataset takes a tf.data.Dataset or a function input_fn(input_context) -> "
             f"tf.data.Dataset, got {type(dataset_or_fn).__name__}."
         )
     if isinstance(dataset_or_fn, tf.distribute.DistributedDataset):
-        raise TypeError("This dataset is already distributed; pass the tf.data.Dataset it came from.")
+        raise ArgumentError("This dataset is already distributed; pass the tf.data.Dataset it came from.")
     check_int("global_batch_size", global_batch_size, minimum=1, optional=True)
     check_int("per_replica_batch_size", per_replica_batch_size, minimum=1, optional=True)
     _check_one_batch_size(global_batch_size, per_replica_batch_size)
@@ -428,11 +428,11 @@ def make_input_fn(
 
 def _check_options(options) -> None:
     if options is not None and not isinstance(options, tf.distribute.InputOptions):
-        raise TypeError(f"options must be a tf.distribute.InputOptions, got {options!r}.")
+        raise ArgumentError(f"options must be a tf.distribute.InputOptions, got {options!r}.")
     if options is not None and (
         options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
     ):
-        raise ValueError("distribute_dataset needs InputReplicationMode.PER_WORKER (the default).")
+        raise ArgumentError("distribute_dataset needs InputReplicationMode.PER_WORKER (the default).")
 
 
 def _distribute(
@@ -552,7 +552,7 @@ def distribute_dataset(
         TypeError: arguments of the wrong type.
     """
     if not isinstance(strategy, tf.distribute.Strategy):
-        raise TypeError(f"strategy must be a tf.distribute.Strategy, got {strategy!r}.")
+        raise ArgumentError(f"strategy must be a tf.distribute.Strategy, got {strategy!r}.")
     input_fn = make_input_fn(
         dataset_or_fn,
         global_batch_size=global_batch_size,

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from keras_replicator._compat import short_batches, tf_data
+from keras_replicator._validation import ArgumentError
 
 __all__ = ["STEPS", "Plan", "Stream", "build"]
 
@@ -142,7 +143,7 @@ def _rows(batch) -> tf.Tensor:
             return tf.cast(t.nrows(), tf.int64)
         if t is not None:
             return tf.shape(t, out_type=tf.int64)[0]
-    raise ValueError("A batch must contain at least one tensor.")
+    raise ArgumentError("A batch must contain at least one tensor.")
 
 
 def _map_leaves(fn, structure):
@@ -221,7 +222,7 @@ def batch(stream: Stream, plan: Plan) -> Stream:
 def check_components(stream: Stream, plan: Plan) -> Stream:
     """Refuses batches this module cannot split (components without a batch dimension)."""
     if not leaves_supported(stream.dataset.element_spec):
-        raise TypeError(
+        raise ArgumentError(
             "distribute_dataset supports batches of dense or ragged tensors with a batch "
             f"dimension; got element_spec {stream.dataset.element_spec}."
         )

@@ -54,7 +54,7 @@ import tensorflow as tf
 
 from keras_replicator import saving
 from keras_replicator._compat import keras_checkpointing, keras_initial_epoch
-from keras_replicator._validation import check_bool, check_int
+from keras_replicator._validation import ArgumentError, check_bool, check_int
 
 __all__ = [
     "INSTALL_HINT",
@@ -139,7 +139,7 @@ def init_local(num_cpus: int | None = None, **kwargs: Any):
     check_int("num_cpus", num_cpus, minimum=1, optional=True)
     for name in ("address", "runtime_env"):
         if name in kwargs:
-            raise ValueError(f"init_local starts its own local instance; {name}= is not accepted.")
+            raise ArgumentError(f"init_local starts its own local instance; {name}= is not accepted.")
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
         raise RuntimeError(
@@ -292,26 +292,26 @@ def dataset_shard(
         A `tf.distribute.DistributedDataset` for `model.fit`.
     """
     if not hasattr(strategy, "distribute_dataset") or not hasattr(strategy, "num_workers"):
-        raise TypeError(f"strategy must be a kr.ReplicatorStrategy, got {strategy!r}.")
+        raise ArgumentError(f"strategy must be a kr.ReplicatorStrategy, got {strategy!r}.")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be the dataset's name in the trainer's datasets=, got {name!r}.")
+        raise ArgumentError(f"name must be the dataset's name in the trainer's datasets=, got {name!r}.")
     global_batch_size = check_int("global_batch_size", global_batch_size, minimum=1)
     check_bool("drop_remainder", drop_remainder)
     workers = int(strategy.num_workers)
     replicas = int(strategy.num_replicas_in_sync)
     if global_batch_size % replicas:
-        raise ValueError(
+        raise ArgumentError(
             f"global_batch_size={global_batch_size} is not divisible by the {replicas} replicas "
             f"of the job ({workers} worker(s))."
         )
     for key in ("batch_size", "drop_last"):
         if key in to_tf_kwargs:
-            raise ValueError(f"{key}= is set by dataset_shard; give global_batch_size/drop_remainder.")
+            raise ArgumentError(f"{key}= is set by dataset_shard; give global_batch_size/drop_remainder.")
     undo_legacy_keras()
     train = _require("ray.train")
     shard = train.get_dataset_shard(name)
     if shard is None:
-        raise ValueError(f"Ray Train has no dataset {name!r} for this worker: pass datasets={{{name!r}: ...}}.")
+        raise ArgumentError(f"Ray Train has no dataset {name!r} for this worker: pass datasets={{{name!r}: ...}}.")
     dataset = shard.to_tf(
         feature_columns, label_columns, batch_size=global_batch_size // workers,
         drop_last=drop_remainder, **to_tf_kwargs,

@@ -38,7 +38,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_replicator._validation import check_choice, check_int, check_number
+from keras_replicator._validation import ArgumentError, check_choice, check_int, check_number
 
 __all__ = ["LinearScalingWarmup"]
 
@@ -131,28 +131,28 @@ class LinearScalingWarmup(keras.optimizers.schedules.LearningRateSchedule):
         self.alpha = check_number("alpha", alpha, non_negative=True)
         self.factor = check_number("factor", factor, positive=True)
         if isinstance(boundaries, (str, bytes)) or not isinstance(boundaries, Sequence):
-            raise ValueError(f"boundaries must be a sequence of integers, got {boundaries!r}.")
+            raise ArgumentError(f"boundaries must be a sequence of integers, got {boundaries!r}.")
         self.boundaries = [
             check_int(f"boundaries[{i}]", b, minimum=self.warmup_steps)
             for i, b in enumerate(boundaries)
         ]
         self.name = name
         if self.alpha > 1:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}.")
+            raise ArgumentError(f"alpha must be in [0, 1], got {alpha!r}.")
         if self.factor > 1:
-            raise ValueError(f"factor must be in (0, 1], got {factor!r}.")
+            raise ArgumentError(f"factor must be in (0, 1], got {factor!r}.")
         if (self.decay == "cosine") != (self.decay_steps is not None):
-            raise ValueError(
+            raise ArgumentError(
                 "decay_steps is required with decay='cosine' and only used with it; got "
                 f"decay={decay!r}, decay_steps={decay_steps!r}."
             )
         if self.decay == "step":
             if not self.boundaries:
-                raise ValueError("decay='step' needs boundaries (update counts), got none.")
+                raise ArgumentError("decay='step' needs boundaries (update counts), got none.")
             if any(a >= b for a, b in zip(self.boundaries, self.boundaries[1:])):
-                raise ValueError(f"boundaries must be increasing, got {list(boundaries)!r}.")
+                raise ArgumentError(f"boundaries must be increasing, got {list(boundaries)!r}.")
         elif self.boundaries:
-            raise ValueError(
+            raise ArgumentError(
                 f"boundaries are only used with decay='step'; got decay={decay!r}, "
                 f"boundaries={list(boundaries)!r}."
             )

@@ -33,6 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator._validation import ArgumentError
+
 
 def _tf_variable(v):
     """The TensorFlow variable behind a Keras 3 variable (or ``v`` itself)."""
@@ -100,11 +102,11 @@ def max_weight_difference(a: keras.Model | Iterable, b: keras.Model | Iterable) 
     """
     va, vb = _variables(a), _variables(b)
     if len(va) != len(vb):
-        raise ValueError(f"Different numbers of weights: {len(va)} vs {len(vb)}.")
+        raise ArgumentError(f"Different numbers of weights: {len(va)} vs {len(vb)}.")
     worst = 0.0
     for x, y in zip(va, vb):
         x0, y0 = replica_values(x)[0], replica_values(y)[0]
         if x0.shape != y0.shape:
-            raise ValueError(f"Shapes differ for {getattr(x, 'path', x)}: {x0.shape} vs {y0.shape}.")
+            raise ArgumentError(f"Shapes differ for {getattr(x, 'path', x)}: {x0.shape} vs {y0.shape}.")
         worst = max(worst, float(np.max(np.abs(x0.astype(np.float64) - y0.astype(np.float64)), initial=0.0)))
     return worst

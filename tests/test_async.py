@@ -261,11 +261,12 @@ def test_fit_evaluate_predict_and_save(start_job):
     assert any((j.out / "backup").iterdir())
     # Bad inputs: each a clear error.
     errors = report["errors"]
-    assert errors["no_steps"].startswith("ValueError: fit needs steps_per_epoch")
-    assert errors["arrays"].startswith("TypeError: With AsyncReplicatorStrategy, fit trains on the workers")
+    # Each an ArgumentError (a ValueError and a TypeError): bad arguments to fit, predict, distribute.
+    assert errors["no_steps"].startswith("ArgumentError: fit needs steps_per_epoch")
+    assert errors["arrays"].startswith("ArgumentError: With AsyncReplicatorStrategy, fit trains on the workers")
     assert "batched by 4" in errors["batched"] and errors["batched"].startswith("ArgumentError")  # a ValueError
     assert "no per_replica_batch_size was given" in errors["unbatched"]
-    assert errors["predict_workers_data"].startswith("TypeError: predict runs on the chief")
+    assert errors["predict_workers_data"].startswith("ArgumentError: predict runs on the chief")
     # Dropout: every step's keep-mask is its own, across workers and steps (masks of 128
     # entries agree only at chance level; none repeats, which a shared draw would).
     masks = [np.array(m) for m in report["dropout_masks"]]

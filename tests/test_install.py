@@ -41,8 +41,18 @@ def _read(page: str) -> str:
 
 
 def _pages() -> list[str]:
-    docs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-    return ["README.md"] + docs
+    """The README, every page under docs/ (the API reference's too) and the published tutorials."""
+    found = glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    found += glob.glob(os.path.join(ROOT, "docs", "tutorials", "*.ipynb"))
+    return ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in found)
+
+
+def _page_text(page: str) -> str:
+    """A page's text; for a notebook, its Markdown cells (where its install lines are)."""
+    if not page.endswith(".ipynb"):
+        return _read(page)
+    cells = json.loads(_read(page))["cells"]
+    return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
 def pip_lines(text: str) -> list[str]:
@@ -110,6 +120,10 @@ def test_pip_lines_are_found():
     readme = pip_lines(_read("README.md"))
     assert 'pip install ".[gpu]"' in readme and 'pip install ".[cpu]"' in readme
     assert f'pip install "dist/{_wheel_name()}[gpu]"' in readme
+    # The reference pages and the tutorials are read too (their install lines were once wrong).
+    pages = _pages()
+    assert "docs/reference/applications.md" in pages and "docs/tutorials/03_d4pg_control.ipynb" in pages
+    assert 'pip install ".[cpu,rl]"' in pip_lines(_page_text("docs/tutorials/03_d4pg_control.ipynb"))
     assert not [line for page in _pages() for line in pip_lines(_read(page))
                 if "keras-replicator" in line or "./keras_replicator" in line], (
         "a pip line installs keras-replicator from the registry (there is no release) or from "
@@ -149,7 +163,7 @@ def _extras(arg: str) -> set[str]:
 def test_every_pip_line_of_the_docs_installs_from_the_clone(clone, tmp_path):
     # One pip run per target (the clone, the wheel, a registry package) with every line's
     # arguments for it: pip parses each, builds the project's metadata once, and merges extras.
-    lines = sorted({line for page in _pages() for line in pip_lines(_read(page))})
+    lines = sorted({line for page in _pages() for line in pip_lines(_page_text(page))})
     by_target: dict[str, list[str]] = {}
     for line in lines:
         for arg in shlex.split(line)[2:]:

@@ -20,6 +20,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch
+from keras_replicator._validation import ArgumentError
 
 # What `skip_optimizer_gradient_all_reduce`, `keras_fsdp` and `keras_sharded_optimizer`
 # rely on: Keras's update step sums the gradients through `_all_reduce_sum_gradients`
@@ -77,7 +78,7 @@ def _refuse_outer_loss_scale_optimizer(original):
     @functools.wraps(original)
     def __init__(self, inner_optimizer, *args, **kwargs):
         if reduces_gradients(inner_optimizer):
-            raise ValueError(
+            raise ArgumentError(
                 "A LossScaleOptimizer cannot wrap a CrossReplicaOptimizer: the order must be the "
                 "other way round, so that the loss scale sees the all-reduced gradient: "
                 "CrossReplicaOptimizer(keras.optimizers.LossScaleOptimizer(opt)). With a "

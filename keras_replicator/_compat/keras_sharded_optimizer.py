@@ -48,6 +48,7 @@ from tensorflow.python.distribute import numpy_dataset, values_util
 from keras_replicator._compat import patching
 from keras_replicator._compat.keras_optimizer import UPDATE_STEP_REDUCES
 from keras_replicator._compat.patching import ScopedPatch, ours
+from keras_replicator._validation import ArgumentError
 from keras_replicator.optimizers.state_sharding import gather_owned_values, partition
 
 
@@ -151,7 +152,7 @@ def _build(original):
     def build(self, variables):
         if sharding(self) and not getattr(self, "_kr_plan", None):
             if getattr(self, "use_ema", False):
-                raise ValueError(
+                raise ArgumentError(
                     f"Optimizer {self.name!r} has use_ema=True, which shard_optimizer_state=True "
                     "does not support: the moving averages of every weight would be updated on "
                     "every replica. Keep the average in a callback, or turn sharding off."

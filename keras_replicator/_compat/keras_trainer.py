@@ -47,6 +47,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._compat import mid_epoch_resume, parameter_server, short_batches
 from keras_replicator._compat.patching import ScopedPatch, multi_worker, ours, ours_async
+from keras_replicator._validation import ArgumentError
 
 __all__ = ["PATCHES", "multi_worker", "ours", "register_strategy"]
 
@@ -228,7 +229,7 @@ def _refuse_infinite_epochs(original):
         if ours(distribute_strategy) and _infinite_without_steps(
             kwargs.get("x"), kwargs.get("steps_per_epoch")
         ):
-            raise ValueError(
+            raise ArgumentError(
                 "The dataset is infinite (it repeats forever), so an epoch would never end. "
                 "Give the number of steps: model.fit(..., steps_per_epoch=N), "
                 "model.evaluate(..., steps=N) or model.predict(..., steps=N); "
@@ -270,7 +271,7 @@ def _check_scope(model, name: str, args, kwargs) -> None:
     dataset_strategy = _distributed_by(data)
     if ours(dataset_strategy) and dataset_strategy is not strategy:
         where = "outside any strategy's scope" if strategy is None else f"under another strategy ({strategy!r})"
-        raise ValueError(
+        raise ArgumentError(
             f"model.{name}() got a dataset distributed by {dataset_strategy!r}, but the model was "
             f"built {where}, so its variables are not that strategy's. Build (or "
             "keras.saving.load_model) and compile the model under `with strategy.scope():`, "
@@ -291,7 +292,7 @@ def _check_validation_data(kwargs) -> None:
         validation_data = validation_data[0]
     if _infinite_without_steps(validation_data, kwargs.get("validation_steps")):
         # Keras builds the validation iterator only after the first epoch.
-        raise ValueError(
+        raise ArgumentError(
             "validation_data is an infinite dataset (it repeats forever), so validation "
             "would never end. Pass validation_steps=N to fit, or make it finite."
         )

@@ -42,7 +42,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._compat import keras_seed_generator, patching
 from keras_replicator._compat.patching import ScopedPatch
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 
 # How many closures fit keeps scheduled but unfinished, per worker. More lets a
 # fast worker never wait for the chief; fewer keeps batch-level callbacks (the
@@ -185,7 +185,7 @@ def _train_function(model, strategy):
 
 def _refuse(name: str, value, why: str) -> None:
     if value is not None:
-        raise ValueError(f"fit(..., {name}=...) is not supported with AsyncReplicatorStrategy: {why}")
+        raise ArgumentError(f"fit(..., {name}=...) is not supported with AsyncReplicatorStrategy: {why}")
 
 
 def fit(
@@ -280,24 +280,24 @@ def _check_fit_arguments(
     """
     model._assert_compile_called("fit")
     if not getattr(x, "_keras_replicator_async_input", False):
-        raise TypeError(
+        raise ArgumentError(
             "With AsyncReplicatorStrategy, fit trains on the workers, each reading its own input "
             "pipeline: pass x=strategy.distribute_dataset(dataset_fn, per_replica_batch_size=...), "
             f"got {type(x).__name__}. (evaluate and predict take arrays or datasets: they run on the chief.)"
         )
     if x.strategy is not strategy:
-        raise ValueError("The dataset was made by another strategy than the model's.")
+        raise ArgumentError("The dataset was made by another strategy than the model's.")
     why = "each worker's examples come from dataset_fn (return (x, y) or (x, y, sample_weight) elements)."
     for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
         _refuse(name, value, why)
     _refuse("batch_size", batch_size, "give per_replica_batch_size to strategy.distribute_dataset.")
     if validation_split:
-        raise ValueError(
+        raise ArgumentError(
             "fit(..., validation_split=...) is not supported with AsyncReplicatorStrategy: pass "
             "validation_data (arrays or a tf.data.Dataset, evaluated on the chief)."
         )
     if steps_per_epoch is None:
-        raise ValueError(
+        raise ArgumentError(
             "fit needs steps_per_epoch with AsyncReplicatorStrategy: every worker reads its own "
             "endless stream of batches, so an epoch is the number of steps you choose, e.g. "
             "model.fit(data, epochs=10, steps_per_epoch=100)."
@@ -307,7 +307,7 @@ def _check_fit_arguments(
     initial_epoch = check_int("initial_epoch", initial_epoch, minimum=0)
     check_int("validation_freq", validation_freq, minimum=1)
     if model.run_eagerly:
-        raise ValueError(
+        raise ArgumentError(
             "run_eagerly=True is not supported with AsyncReplicatorStrategy: steps are functions "
             "the chief sends to the workers. Debug with a local strategy first."
         )
@@ -409,7 +409,7 @@ def _on_chief(model, strategy, what: str):
 
 def _refuse_async_input(x, what: str) -> None:
     if getattr(x, "_keras_replicator_async_input", False):
-        raise TypeError(
+        raise ArgumentError(
             f"{what} runs on the chief under AsyncReplicatorStrategy (exactly once over the data, "
             "on one snapshot of the weights): pass arrays or a tf.data.Dataset, not the "
             "workers' dataset from strategy.distribute_dataset."

@@ -32,7 +32,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._validation import check_bool, check_int, check_number
+from keras_replicator._validation import ArgumentError, check_bool, check_int, check_number
 from keras_replicator.applications.tfds_input import example_seeds, sharded_dataset
 
 __all__ = [
@@ -62,7 +62,7 @@ def _check_image_size(image_size: Any) -> int:
 
 def _check_crop_fraction(crop_fraction: Any) -> float:
     if not 0.0 < check_number("crop_fraction", crop_fraction) <= 1.0:
-        raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
+        raise ArgumentError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}.")
     return float(crop_fraction)
 
 
@@ -70,10 +70,10 @@ def _check_range(name: str, value: Any, low: float, high: float | None) -> tuple
     try:
         a, b = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair (min, max), got {value!r}.") from None
+        raise ArgumentError(f"{name} must be a pair (min, max), got {value!r}.") from None
     if not (low < a <= b and (high is None or b <= high)):
         upper = "" if high is None else f" <= {high}"
-        raise ValueError(f"{name} must satisfy {low} < min <= max{upper}, got {value!r}.")
+        raise ArgumentError(f"{name} must satisfy {low} < min <= max{upper}, got {value!r}.")
     return a, b
 
 
@@ -309,7 +309,7 @@ def input_fn(
         ValueError: an argument is out of range (checked before any data is read).
     """
     if not isinstance(split, str) or not split:
-        raise ValueError(f"split must be a TFDS split name such as 'train', got {split!r}.")
+        raise ArgumentError(f"split must be a TFDS split name such as 'train', got {split!r}.")
     if training is None:
         training = split.startswith("train")
     training = check_bool("training", training)

@@ -32,7 +32,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._validation import check_bool, check_int
+from keras_replicator._validation import ArgumentError, check_bool, check_int
 
 __all__ = ["example_seeds", "sharded_dataset"]
 
@@ -109,9 +109,9 @@ def sharded_dataset(
         ValueError: an argument is out of range (checked before any data is read).
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a TFDS data set name such as 'mnist', got {name!r}.")
+        raise ArgumentError(f"name must be a TFDS data set name such as 'mnist', got {name!r}.")
     if not isinstance(split, str) or not split:
-        raise ValueError(f"split must be a TFDS split name such as 'train', got {split!r}.")
+        raise ArgumentError(f"split must be a TFDS split name such as 'train', got {split!r}.")
     training = check_bool("training", training)
     seed = check_int("seed", seed)
     shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=1)

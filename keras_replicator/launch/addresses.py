@@ -7,7 +7,7 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 
 # A host: a bracketed IPv6 address, or a name or IPv4 address (no spaces, ':', brackets, '/' or ',').
 _HOST = r"\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/,]+"
@@ -34,10 +34,10 @@ def split_address(address: object, what: str = "address") -> tuple[str, int]:
     """
     m = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
     if not m:
-        raise ValueError(f"{what} must be host:port, got {address!r}.")
+        raise ArgumentError(f"{what} must be host:port, got {address!r}.")
     port = int(m["port"])
     if not 1 <= port <= 65535:
-        raise ValueError(f"{what}: port {port} of {address!r} is not in 1..65535.")
+        raise ArgumentError(f"{what}: port {port} of {address!r} is not in 1..65535.")
     return m["host"].strip("[]"), port
 
 
@@ -114,15 +114,15 @@ def tf_config(
     cluster = {k: list(v) for k, v in addresses.items()} if isinstance(addresses, Mapping) else {
         "worker": list(addresses)}
     if not any(cluster.values()):
-        raise ValueError("addresses is empty: give one host:port per worker.")
+        raise ArgumentError("addresses is empty: give one host:port per worker.")
     for job, tasks in cluster.items():
         for a in tasks:
             split_address(a, "A worker's address" if job == "worker" else f"The {job} task's address")
     if task_type not in cluster:
-        raise ValueError(f"task_type {task_type!r} is not a job of the cluster {sorted(cluster)}.")
+        raise ArgumentError(f"task_type {task_type!r} is not a job of the cluster {sorted(cluster)}.")
     n = len(cluster[task_type])
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
-        raise ValueError(f"index must be an integer in [0, {n}), got {index!r}.")
+        raise ArgumentError(f"index must be an integer in [0, {n}), got {index!r}.")
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
 
 
@@ -147,7 +147,7 @@ def parse_hosts(spec: str | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         for part in spec.split(","):
             m = _HOST_COUNT.fullmatch(part)
             if not m:
-                raise ValueError(
+                raise ArgumentError(
                     f"hosts must be comma-separated host:count entries such as 'h1:2,h2:2', "
                     f"got {spec!r} ({part!r} is not host:count)."
                 )
@@ -155,10 +155,10 @@ def parse_hosts(spec: str | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
     else:
         pairs = list(spec)
     if not pairs:
-        raise ValueError("hosts is empty: give host:count for every node.")
+        raise ArgumentError("hosts is empty: give host:count for every node.")
     for entry in pairs:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]):
-            raise ValueError(f"Each host must be a (host, count) pair, got {entry!r}.")
+            raise ArgumentError(f"Each host must be a (host, count) pair, got {entry!r}.")
         check_int(f"the worker count of host {entry[0]!r}", entry[1], minimum=1)
     return pairs
 
@@ -186,7 +186,7 @@ def cluster_addresses(hosts: Sequence[tuple[str, int]], port: int) -> list[str]:
     for host, count in hosts:
         first = next_port.get(host, port)
         if first + count - 1 > 65535:
-            raise ValueError(f"Ports {first}..{first + count - 1} of host {host!r} exceed 65535.")
+            raise ArgumentError(f"Ports {first}..{first + count - 1} of host {host!r} exceed 65535.")
         addresses += [format_address(host, first + i) for i in range(count)]
         next_port[host] = first + count
     return addresses

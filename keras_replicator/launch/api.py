@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
+from keras_replicator._validation import ArgumentError
 from keras_replicator.launch.addresses import cluster_addresses, format_address, free_ports
 from keras_replicator.launch.config import LaunchConfig
 from keras_replicator.launch.gpus import _detect_gpus, gpu_assignment
@@ -152,7 +153,7 @@ def launch(
         given = sorted(name for name, value in options.items() if value is not _DEFAULTS[name]
                        and value != _DEFAULTS[name])
         if given:
-            raise ValueError(f"launch(config) takes no other argument but output=, got {given}.")
+            raise ArgumentError(f"launch(config) takes no other argument but output=, got {given}.")
         config = script
     else:
         config = LaunchConfig(script, **options)

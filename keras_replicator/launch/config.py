@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from keras_replicator._validation import check_choice, check_int, check_number
+from keras_replicator._validation import ArgumentError, check_choice, check_int, check_number
 from keras_replicator.launch.addresses import cluster_addresses, parse_hosts, split_address
 
 
@@ -77,26 +77,26 @@ class LaunchConfig:
         self._check_what_runs()
         if isinstance(self.workers, str):
             if self.min_workers is not None:
-                raise ValueError(f"workers={self.workers!r} already gives min_workers; give one of them.")
+                raise ArgumentError(f"workers={self.workers!r} already gives min_workers; give one of them.")
             minimum, maximum = parse_worker_range(self.workers)
             self._set("workers", maximum)
             self._set("min_workers", minimum)
         self._set("devices_per_worker", check_int("devices_per_worker", self.devices_per_worker, minimum=1,
                                                   optional=True))
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
-            raise ValueError(f"host must be an address such as '127.0.0.1', got {self.host!r}.")
+            raise ArgumentError(f"host must be an address such as '127.0.0.1', got {self.host!r}.")
         self._set("max_restarts", check_int("max_restarts", self.max_restarts, minimum=0))
         check_choice("tee", self.tee, ("all", "chief", "none"))
         if self.grace is not None:  # None: 5 s, grown to fit the measured save (launch.grace)
             self._set("grace", check_number("grace", self.grace, non_negative=True))
         self._set("timeout", check_number("timeout", self.timeout, positive=True, optional=True))
         if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
-            raise ValueError(f"log_dir must be a directory path, got {self.log_dir!r}.")
+            raise ArgumentError(f"log_dir must be a directory path, got {self.log_dir!r}.")
         self._set("ps", check_int("ps", self.ps, minimum=0))
         if self.nnodes is not None:
             self._check_rendezvous_job()
         elif self.master is not None:
-            raise ValueError("master= goes with nnodes= (the number of nodes).")
+            raise ArgumentError("master= goes with nnodes= (the number of nodes).")
         elif self.hosts is None:
             self._check_one_machine_job()
         else:
@@ -116,11 +116,11 @@ class LaunchConfig:
             else:
                 _check_module_name(self.script)
         elif not isinstance(self.script, str) or not self.script:
-            raise ValueError(f"script must be a path to a Python file, got {self.script!r}.")
+            raise ArgumentError(f"script must be a path to a Python file, got {self.script!r}.")
         elif not os.path.isfile(self.script):
             raise FileNotFoundError(f"Script {self.script!r} does not exist.")
         if isinstance(self.args, str) or not all(isinstance(a, str) for a in self.args):
-            raise TypeError(f"args must be strings, got {list(self.args)!r}.")
+            raise ArgumentError(f"args must be strings, got {list(self.args)!r}.")
         self._set("args", tuple(self.args))
 
     def _check_rendezvous_job(self) -> None:
@@ -128,32 +128,32 @@ class LaunchConfig:
         self._set("nnodes", check_int("nnodes", self.nnodes, minimum=1))
         nnodes = self.nnodes
         if self.hosts is not None or self.ps:
-            raise ValueError("nnodes= (with master=) replaces hosts=, and does not take ps=.")
+            raise ArgumentError("nnodes= (with master=) replaces hosts=, and does not take ps=.")
         if self.workers is None or self.master is None:
-            raise ValueError("nnodes= needs workers= (per node) and master='host:port' (node 0's address).")
+            raise ArgumentError("nnodes= needs workers= (per node) and master='host:port' (node 0's address).")
         check_int("workers", self.workers, minimum=1)
         split_address(self.master, "master")
         if self.node_rank is None:
-            raise ValueError(f"nnodes={nnodes}: give node_rank (--node-rank), 0 .. {nnodes - 1}.")
+            raise ArgumentError(f"nnodes={nnodes}: give node_rank (--node-rank), 0 .. {nnodes - 1}.")
         self._set("node_rank", check_int("node_rank", self.node_rank, minimum=0, maximum=nnodes - 1))
         check_number("rendezvous_timeout", self.rendezvous_timeout, positive=True)
 
     def _check_one_machine_job(self) -> None:
         if self.workers is None:
-            raise ValueError("Give workers=N (one machine) or hosts='h1:2,h2:2' (several).")
+            raise ArgumentError("Give workers=N (one machine) or hosts='h1:2,h2:2' (several).")
         check_int("workers", self.workers, minimum=1)
         if self.node_rank not in (None, 0):
-            raise ValueError(f"node_rank={self.node_rank!r} needs hosts= or nnodes= (the nodes of the job).")
+            raise ArgumentError(f"node_rank={self.node_rank!r} needs hosts= or nnodes= (the nodes of the job).")
         self._set("node_rank", 0)
 
     def _check_static_job(self) -> None:
         if self.workers is not None:
-            raise ValueError("Give either workers= (one machine) or hosts= (several), not both.")
+            raise ArgumentError("Give either workers= (one machine) or hosts= (several), not both.")
         if self.ps:
-            raise ValueError("ps= runs a parameter-server job on one machine; use workers=, not hosts=.")
+            raise ArgumentError("ps= runs a parameter-server job on one machine; use workers=, not hosts=.")
         nodes = parse_hosts(self.hosts)
         if self.node_rank is None and len(nodes) > 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"hosts names {len(nodes)} nodes: give node_rank (--node-rank), this machine's "
                 f"position in it, 0 .. {len(nodes) - 1}."
             )
@@ -165,19 +165,19 @@ class LaunchConfig:
         """``min_workers``: a one-machine synchronous job that may shrink (`RestartPolicy`)."""
         if self.min_workers is None:
             if self.worker_failures is not None:
-                raise ValueError("worker_failures (--worker-failures) applies to an elastic job: "
-                                 "give workers='MIN:MAX' (--workers MIN:MAX).")
+                raise ArgumentError("worker_failures (--worker-failures) applies to an elastic job: "
+                                    "give workers='MIN:MAX' (--workers MIN:MAX).")
             return
         self._set("min_workers", check_int("min_workers", self.min_workers, minimum=1))
         if self.mode != "workers" or self.ps:
-            raise ValueError(
+            raise ArgumentError(
                 "workers='MIN:MAX' (--workers MIN:MAX) is for a synchronous job on one machine: "
                 "not with hosts=, nnodes= (the nodes of a job on several machines do not find "
                 "each other again with fewer members) or ps= (a parameter-server job already "
                 "goes on without a failed worker)."
             )
         if self.min_workers > self.workers:
-            raise ValueError(f"workers='MIN:MAX' needs MIN <= MAX, got {self.min_workers}:{self.workers}.")
+            raise ArgumentError(f"workers='MIN:MAX' needs MIN <= MAX, got {self.min_workers}:{self.workers}.")
         self._set("worker_failures", check_int("worker_failures", 2 if self.worker_failures is None
                                                else self.worker_failures, minimum=1))
 
@@ -199,23 +199,23 @@ def parse_worker_range(text: str) -> tuple[int, int]:
     Example:
         ```python
         from keras_replicator.launch.config import parse_worker_range
-        parse_worker_range("1:4")   # (1, 4); "4:1", "0:2" and "1:" raise ValueError
+        parse_worker_range("1:4")   # (1, 4); "4:1", "0:2" and "1:" raise ArgumentError
         ```
     """
     parts = text.split(":") if isinstance(text, str) else []
     if not 1 <= len(parts) <= 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"workers must be N or MIN:MAX with positive integers such as '2:4', got {text!r}.")
+        raise ArgumentError(f"workers must be N or MIN:MAX with positive integers such as '2:4', got {text!r}.")
     minimum, maximum = int(parts[0]), int(parts[-1])
     if minimum < 1:
-        raise ValueError(f"workers MIN:MAX needs MIN >= 1, got {text!r}.")
+        raise ArgumentError(f"workers MIN:MAX needs MIN >= 1, got {text!r}.")
     if minimum > maximum:
-        raise ValueError(f"workers MIN:MAX needs MIN <= MAX, got {text!r}.")
+        raise ArgumentError(f"workers MIN:MAX needs MIN <= MAX, got {text!r}.")
     return minimum, maximum
 
 
 def _check_module_name(name: object) -> None:
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
-        raise ValueError(f"module must be a dotted module name such as 'pkg.train', got {name!r}.")
+        raise ArgumentError(f"module must be a dotted module name such as 'pkg.train', got {name!r}.")
 
 
 def _check_module(name: object, pythonpath: str) -> None:

@@ -30,6 +30,7 @@ import math
 import os
 from collections.abc import Callable
 
+from keras_replicator._validation import ArgumentError
 from keras_replicator.atomic_files import read_save_record
 
 DEFAULT_GRACE = 5.0  # seconds, before any save was measured (and the least the rule gives)
@@ -54,7 +55,7 @@ def grace_for(save_seconds: float, step_seconds: float = 0.0) -> int:
         Seconds, rounded up.
     """
     if save_seconds < 0 or step_seconds < 0:
-        raise ValueError(f"save_seconds and step_seconds must be >= 0, got {save_seconds!r}, {step_seconds!r}.")
+        raise ArgumentError(f"save_seconds and step_seconds must be >= 0, got {save_seconds!r}, {step_seconds!r}.")
     return int(math.ceil(2 * (save_seconds + step_seconds) + 5))
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keras_replicator import jobset as pod
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.launch.config import _check_module_name
 from keras_replicator.launch.environment import PREEMPTED_EXIT_CODE
 from keras_replicator.launch.grace import grace_for
@@ -50,7 +50,7 @@ _DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 def _check_name(label: str, value: object) -> str:
     if not isinstance(value, str) or len(value) > 63 or not _DNS1123_LABEL.fullmatch(value):
-        raise ValueError(
+        raise ArgumentError(
             f"{label} must be a Kubernetes name (at most 63 lower-case letters, digits or '-', "
             f"starting and ending with a letter or digit), got {value!r}."
         )
@@ -119,17 +119,17 @@ class KubernetesJob:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}.")
+            raise ArgumentError(f"kind must be one of {KINDS}, got {self.kind!r}.")
         if self.module:
             _check_module_name(self.script)
         elif not isinstance(self.script, str) or not self.script:
-            raise ValueError(f"script must be a path inside the image, got {self.script!r}.")
+            raise ArgumentError(f"script must be a path inside the image, got {self.script!r}.")
         if isinstance(self.args, str) or not all(isinstance(a, str) for a in self.args):
-            raise TypeError(f"args must be a sequence of strings, got {self.args!r}.")
+            raise ArgumentError(f"args must be a sequence of strings, got {self.args!r}.")
         object.__setattr__(self, "args", tuple(self.args))
         check_int("workers", self.workers, minimum=1)
         if not isinstance(self.image, str) or not self.image or any(c.isspace() for c in self.image):
-            raise ValueError(f"image must be a container image reference, got {self.image!r}.")
+            raise ArgumentError(f"image must be a container image reference, got {self.image!r}.")
         _check_name("name", self.name)
         if self.namespace is not None:
             _check_name("namespace", self.namespace)
@@ -141,7 +141,7 @@ class KubernetesJob:
         check_number("step_seconds", self.step_seconds, non_negative=True)
         check_int("grace", self.grace, minimum=1, optional=True)
         if not isinstance(self.python, str) or not self.python.strip():
-            raise ValueError(f"python must be the interpreter command inside the image, got {self.python!r}.")
+            raise ArgumentError(f"python must be the interpreter command inside the image, got {self.python!r}.")
         self._check_kind()
 
     def termination_grace(self) -> tuple[int, str]:
@@ -156,33 +156,33 @@ class KubernetesJob:
     def _check_kind(self) -> None:
         if self.kind == "tfjob":
             if self.max_restarts:
-                raise ValueError(
+                raise ArgumentError(
                     "max_restarts (--max-restarts) applies to a JobSet or a TrainJob; a TFJob restarts "
                     "its pods through restart_policy (--restart-policy)."
                 )
             if self.restart_policy is not None and self.restart_policy not in TFJOB_RESTART_POLICIES:
-                raise ValueError(
+                raise ArgumentError(
                     f"restart_policy must be one of {TFJOB_RESTART_POLICIES}, got {self.restart_policy!r}."
                 )
             return
         if self.restart_policy is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"restart_policy (--restart-policy) applies to --kind tfjob; a {self.kind} restarts "
                 "the whole job after a failure, up to max_restarts (--max-restarts) times."
             )
         if self.kind == "trainjob" and self.ps:
-            raise ValueError(
+            raise ArgumentError(
                 "--kind trainjob runs workers only (Kubeflow Trainer's trainer step is one replicated "
                 "job); for a parameter-server job (--ps) use the JobSet (the default kind)."
             )
         if not _DNS1035_LABEL.fullmatch(self.name):
-            raise ValueError(
+            raise ArgumentError(
                 f"name {self.name!r} must start with a letter: a {self.kind} names its headless "
                 "service after it (a DNS-1035 label)."
             )
         longest = max((pod_name(self, j) for j in self.replicated_jobs()), key=len)
         if len(longest) + 6 > 63:  # JobSet's webhook allows for the 5-character suffix of a pod
-            raise ValueError(
+            raise ArgumentError(
                 f"name {self.name!r} is too long for a {self.kind}: its pods' names (such as "
                 f"{longest!r}, plus a 6-character suffix) must be at most 63 characters."
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 from keras_replicator.layers.batch_normalization import GlobalBatchNormalization
 
 __all__ = ["convert_to_global_batch_norm"]
@@ -46,7 +46,7 @@ def _is_plain_batch_norm(layer) -> bool:
 def _to_global(layer: keras.layers.BatchNormalization, group_size: int | None):
     config = layer.get_config()
     if config.get("renorm"):
-        raise ValueError(
+        raise ArgumentError(
             f"Layer {layer.name!r} uses batch renormalization (renorm=True), which "
             "GlobalBatchNormalization does not implement; it cannot be converted."
         )
@@ -107,10 +107,10 @@ def convert_to_global_batch_norm(
         ValueError: a layer uses ``renorm=True``, or ``group_size`` is invalid.
     """
     if not isinstance(model, keras.Model):
-        raise TypeError(f"convert_to_global_batch_norm takes a Keras model, got {model!r}.")
+        raise ArgumentError(f"convert_to_global_batch_norm takes a Keras model, got {model!r}.")
     functional = not isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
     if not (isinstance(model, keras.Sequential) or functional):
-        raise TypeError(
+        raise ArgumentError(
             f"convert_to_global_batch_norm works on Functional and Sequential models; "
             f"{type(model).__name__!r} is a subclassed model, which Keras cannot clone. "
             "Use kr.layers.GlobalBatchNormalization in its definition instead."

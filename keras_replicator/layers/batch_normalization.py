@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from keras_replicator import collectives
 from keras_replicator._compat import short_batches
-from keras_replicator._validation import check_bool, check_int, check_number
+from keras_replicator._validation import ArgumentError, check_bool, check_int, check_number
 from keras_replicator.layers.batch_norm_ops import (
     _affine_normalize,
     _global_moments,
@@ -141,7 +141,7 @@ class GlobalBatchNormalization(keras.layers.Layer):
         self.axis = check_int("axis", axis)
         self.momentum = check_number("momentum", momentum)
         if not 0.0 <= self.momentum <= 1.0:
-            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}.")
+            raise ArgumentError(f"momentum must be in [0, 1], got {momentum!r}.")
         self.epsilon = check_number("epsilon", epsilon, positive=True)
         self.center, self.scale = check_bool("center", center), check_bool("scale", scale)
         if group_size is not None:
@@ -167,20 +167,20 @@ class GlobalBatchNormalization(keras.layers.Layer):
     def _resolve_axis(self, input_shape) -> int:
         rank = len(input_shape)
         if rank < 2:
-            raise ValueError(
+            raise ArgumentError(
                 f"{type(self).__name__} needs inputs of rank >= 2 (batch, ..., features), "
                 f"got shape {tuple(input_shape)}."
             )
         if not -rank <= self.axis < rank:
-            raise ValueError(
+            raise ArgumentError(
                 f"axis={self.axis} is out of range for inputs of rank {rank} "
                 f"(shape {tuple(input_shape)})."
             )
         axis = self.axis % rank
         if axis == 0:
-            raise ValueError("axis=0 is the batch axis; give the features axis (e.g. -1).")
+            raise ArgumentError("axis=0 is the batch axis; give the features axis (e.g. -1).")
         if input_shape[axis] is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"The features axis {self.axis} of the inputs must have a known size, "
                 f"got shape {tuple(input_shape)}."
             )
@@ -251,7 +251,7 @@ class GlobalBatchNormalization(keras.layers.Layer):
         if mask is not None:
             mask = tf.convert_to_tensor(mask)
             if mask.shape.rank != x.shape.rank - 1:
-                raise ValueError(
+                raise ArgumentError(
                     "The mask must have the shape of the inputs without the features axis; got "
                     f"mask.shape={mask.shape}, inputs.shape={x.shape}."
                 )
@@ -385,7 +385,7 @@ class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
     @staticmethod
     def _split(inputs, what: str):
         if not isinstance(inputs, (list, tuple)) or len(inputs) != 2:
-            raise ValueError(
+            raise ArgumentError(
                 "ConditionalGlobalBatchNormalization is called on a pair [x, class_ids]; "
                 f"got {what} {inputs!r}."
             )
@@ -395,7 +395,7 @@ class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
     def _split_shapes(cls, input_shape):
         shapes = cls._split(input_shape, "input shape")
         if not all(isinstance(s, (list, tuple, tf.TensorShape)) for s in shapes):
-            raise ValueError(
+            raise ArgumentError(
                 "ConditionalGlobalBatchNormalization is called on a pair [x, class_ids]; "
                 f"got one input of shape {tuple(input_shape)}."
             )
@@ -405,7 +405,7 @@ class ConditionalGlobalBatchNormalization(GlobalBatchNormalization):
         x_shape, ids_shape = self._split_shapes(input_shape)
         self._axis = self._resolve_axis(x_shape)
         if not (len(ids_shape) == 1 or (len(ids_shape) == 2 and ids_shape[1] == 1)):
-            raise ValueError(
+            raise ArgumentError(
                 f"class_ids must have shape (batch,) or (batch, 1), got {ids_shape}."
             )
         channels = int(x_shape[self._axis])

@@ -25,7 +25,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 
 __all__ = ["SpectralNormalization", "spectral_norm_sigma"]
 
@@ -111,7 +111,7 @@ class SpectralNormalization(keras.layers.Wrapper):
         **kwargs: Any,
     ):
         if not isinstance(layer, keras.layers.Layer):
-            raise ValueError(
+            raise ArgumentError(
                 f"SpectralNormalization wraps a Keras layer, got {type(layer).__name__}: "
                 f"{layer!r}."
             )
@@ -124,7 +124,7 @@ class SpectralNormalization(keras.layers.Wrapper):
             w = getattr(self.layer, attr, None)
             if isinstance(w, keras.Variable):
                 return w
-        raise ValueError(
+        raise ArgumentError(
             f"SpectralNormalization needs a layer with a `kernel` or `embeddings` weight; "
             f"{type(self.layer).__name__} {self.layer.name!r} has neither."
         )

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from keras_replicator import _compat
 from keras_replicator._compat import keras_optimizer, replica_trace
-from keras_replicator._validation import check_bool, check_choice, check_number
+from keras_replicator._validation import ArgumentError, check_bool, check_choice, check_number
 from keras_replicator.collectives import all_reduce
 from keras_replicator.optimizers.gradient_transforms import (
     COMPRESSIONS,
@@ -128,23 +128,23 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
         **kwargs,
     ):
         if kwargs:
-            raise ValueError(
+            raise ArgumentError(
                 f"CrossReplicaOptimizer does not take {sorted(kwargs)}; set such options "
                 "(learning_rate, weight_decay, clipnorm, ...) on the wrapped optimizer."
             )
         if isinstance(optimizer, str):
             optimizer = keras.optimizers.get(optimizer)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
+            raise ArgumentError(
                 "optimizer must be a keras.optimizers.Optimizer such as "
                 f"keras.optimizers.SGD(0.1), got {optimizer!r}."
             )
         if isinstance(optimizer, CrossReplicaOptimizer):
-            raise ValueError("optimizer is already a CrossReplicaOptimizer; do not wrap it twice.")
+            raise ArgumentError("optimizer is already a CrossReplicaOptimizer; do not wrap it twice.")
         inner = optimizer
         while inner is not None:
             if getattr(inner, "gradient_accumulation_steps", None):
-                raise ValueError(
+                raise ArgumentError(
                     f"The wrapped optimizer {inner.name!r} has gradient_accumulation_steps="
                     f"{inner.gradient_accumulation_steps}; use "
                     "CrossReplicaOptimizer(accumulation_steps=...) instead (it all-reduces once "
@@ -309,7 +309,7 @@ class CrossReplicaOptimizer(keras.optimizers.Optimizer):
                     self.build(trainable_variables)
             self._check_variables_are_known(trainable_variables)
         if len(grads) != len(trainable_variables):
-            raise ValueError(
+            raise ArgumentError(
                 f"Got {len(grads)} gradients for {len(trainable_variables)} variables."
             )
 

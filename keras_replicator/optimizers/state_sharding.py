@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from keras_replicator._validation import ArgumentError
 from keras_replicator.collectives import all_gather
 
 # CollectiveGatherV2 takes these dtypes; other floats travel as float32 (exact for bfloat16).
@@ -63,7 +64,7 @@ def partition(sizes: Sequence[int], num_replicas: int) -> list[int]:
         One replica index per item, in the order of ``sizes``.
     """
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}.")
+        raise ArgumentError(f"num_replicas must be a positive integer, got {num_replicas!r}.")
     loads = [0] * num_replicas
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):

@@ -26,12 +26,13 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.applications.d4pg import environments, networks, replay
 from keras_replicator.applications.d4pg._deps import require
 
@@ -113,8 +114,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
 
     For a local instance, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is set before Ray starts, so
     that Ray 2.60 registers the node on 127.0.0.1 instead of the machine's network address
-    and every socket stays on the loopback. The instance is always a new one of this process:
-    `ray.init()` without an address would join whatever cluster `RAY_ADDRESS` or
+    and every socket stays on the loopback; `RAY_AUTH_MODE` defaults to `token` (Ray's own
+    default, which it otherwise announces on stderr). The instance is always a new one of this
+    process: `ray.init()` without an address would join whatever cluster `RAY_ADDRESS` or
     `/tmp/ray/ray_current_cluster` names (`ray start` and `ray.cluster_utils` write that file),
     another program's on a shared machine, which stops when that program does. Returns the Ray
     module.
@@ -128,6 +130,11 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
     """
     if address is None:
         os.environ.update(LOOPBACK_ENV)
+        # Token authentication, Ray's default for a new local instance, said explicitly: Ray then
+        # starts without printing that it chose it (with no token yet, Ray writes one).
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Importing Ray in a notebook logs (INFO) that ipywidgets, for Ray's HTML reprs, is missing.
+    logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)
     ray = require("ray")
     if ray.is_initialized():
         return ray
@@ -168,7 +175,7 @@ def make_actors(env_id: str, num_actors: int, *, seed: int = 0, n_step: int = 5,
     num_actors = check_int("num_actors", num_actors, minimum=1)
     sigmas = list(sigmas) if sigmas is not None else actor_sigmas(num_actors)
     if len(sigmas) != num_actors:
-        raise ValueError(f"got {len(sigmas)} sigmas for {num_actors} actors.")
+        raise ArgumentError(f"got {len(sigmas)} sigmas for {num_actors} actors.")
     remote = ray.remote(num_cpus=0, max_restarts=-1)(Actor)
     return [
         remote.remote(env_id, actor_seed, sigmas[i], n_step, discount, reward_scale)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.applications.d4pg import actors as actors_lib
 from keras_replicator.applications.d4pg import environments, replay
 from keras_replicator.applications.d4pg.config import D4PGConfig
@@ -52,11 +52,11 @@ def check_arguments(config: D4PGConfig) -> D4PGConfig:
         "samples_per_insert", config.samples_per_insert, positive=True
     )
     if checked["env_steps"] <= checked["min_replay_size"]:
-        raise ValueError(f"env_steps ({config.env_steps}) must exceed min_replay_size "
-                         f"({config.min_replay_size}): training starts once the replay holds that many.")
+        raise ArgumentError(f"env_steps ({config.env_steps}) must exceed min_replay_size "
+                            f"({config.min_replay_size}): training starts once the replay holds that many.")
     _check_held_out(checked)
     if not isinstance(config.out_dir, (str, os.PathLike)):
-        raise ValueError(f"out_dir must be a path, got {config.out_dir!r}.")
+        raise ArgumentError(f"out_dir must be a path, got {config.out_dir!r}.")
     checked["learning_rate"] = check_number(
         "learning_rate", config.learning_rate, positive=True, optional=True
     )
@@ -78,7 +78,7 @@ def _check_held_out(checked: dict) -> None:
     actor_seeds = actors_lib.actor_seeds(checked["seed"], checked["actors"])
     if (held_out.start < curve.stop and curve.start < held_out.stop) or any(
             s in held_out for s in actor_seeds):
-        raise ValueError(
+        raise ArgumentError(
             f"final_eval_seed {start} with final_eval_episodes {checked['final_eval_episodes']} "
             f"must give reset seeds disjoint from the curve's ({curve.start}..{curve.stop - 1}) "
             f"and the actors' ({', '.join(map(str, actor_seeds))}): the final evaluation is "
@@ -109,12 +109,12 @@ def check_config(config: D4PGConfig) -> D4PGConfig:
     devices = kr.local_devices()
     replicas = config.replicas or len(devices)
     if replicas > len(devices):
-        raise ValueError(
+        raise ArgumentError(
             f"replicas={replicas} but only {len(devices)} devices exist; on a CPU-only machine "
             f"call keras_replicator.simulate_devices({replicas}) before TensorFlow starts."
         )
     if config.batch_size % replicas:
-        raise ValueError(f"batch_size {config.batch_size} must be divisible by replicas {replicas}.")
+        raise ArgumentError(f"batch_size {config.batch_size} must be divisible by replicas {replicas}.")
     return dataclasses.replace(config, learning_rate=learning_rate, replicas=replicas,
                                target_update_period=period, pre_tanh_penalty=penalty)
 

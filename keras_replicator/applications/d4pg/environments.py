@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_replicator._validation import ArgumentError
 from keras_replicator.applications.d4pg._deps import require
 
 # Reward scale of known tasks (1.0 for any other).
@@ -82,7 +83,7 @@ def make_env(env_id: str, seed: int | None = None):
         ```
     """
     if not isinstance(env_id, str) or not env_id:
-        raise ValueError(f"env_id must be a non-empty string, got {env_id!r}.")
+        raise ArgumentError(f"env_id must be a non-empty string, got {env_id!r}.")
     gym = _gym()
     if env_id.startswith("dm_control/"):
         require("shimmy")
@@ -91,7 +92,7 @@ def make_env(env_id: str, seed: int | None = None):
         close = sorted(k for k in gym.registry if env_id.split("/")[-1].split("-")[0].lower()
                        in k.lower())[:8]
         hint = f" Similar ids: {', '.join(close)}." if close else ""
-        raise ValueError(
+        raise ArgumentError(
             f"Unknown environment id {env_id!r}: not registered with Gymnasium "
             f"(Gymnasium tasks such as 'Pendulum-v1'; DeepMind Control Suite tasks as "
             f"'dm_control/cartpole-swingup-v0').{hint}"
@@ -99,14 +100,14 @@ def make_env(env_id: str, seed: int | None = None):
     env = gym.make(env_id)
     if not isinstance(env.action_space, gym.spaces.Box):
         env.close()
-        raise ValueError(
+        raise ArgumentError(
             f"{env_id} has a {type(env.action_space).__name__} action space; D4PG needs "
             f"continuous actions (a gymnasium.spaces.Box)."
         )
     low, high = env.action_space.low, env.action_space.high
     if not (np.all(np.isfinite(low)) and np.all(np.isfinite(high))):
         env.close()
-        raise ValueError(f"{env_id} has unbounded actions ({low}, {high}); D4PG needs bounds.")
+        raise ArgumentError(f"{env_id} has unbounded actions ({low}, {high}); D4PG needs bounds.")
     if not isinstance(env.observation_space, gym.spaces.Box) or len(
         env.observation_space.shape
     ) != 1:

@@ -29,7 +29,7 @@ Example:
         "reward": np.ones(n, "float32"), "discount": np.full(n, 0.99, "float32"),
         "next_observation": np.zeros((n, 3), "float32")}).repeat()
     learner.fit(strategy.distribute_dataset(batches, global_batch_size=32), steps_per_epoch=2,
-                verbose=0)
+                verbose=0, shuffle=False)    # the replay's sampling is the shuffle
     ```
 """
 
@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator import xla
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 from keras_replicator.applications.d4pg import losses, networks
 from keras_replicator.optimizers import CrossReplicaOptimizer
 
@@ -96,7 +96,7 @@ class D4PGLearner(keras.Model):
         self.target_update_rate = check_number("target_update_rate", target_update_rate,
                                                positive=True, optional=True)
         if self.target_update_rate is not None and self.target_update_rate > 1:
-            raise ValueError(f"target_update_rate must be in (0, 1], got {target_update_rate}.")
+            raise ArgumentError(f"target_update_rate must be in (0, 1], got {target_update_rate}.")
         self.dqda_clipping = check_number("dqda_clipping", dqda_clipping, positive=True,
                                           optional=True)
         self.atoms = np.asarray(atoms, np.float32)
@@ -111,8 +111,8 @@ class D4PGLearner(keras.Model):
             try:
                 pre_tanh = policy.get_layer("policy_output").output
             except ValueError as e:
-                raise ValueError("pre_tanh_penalty needs a policy of make_policy (a layer named "
-                                 "'policy_output' before its tanh).") from e
+                raise ArgumentError("pre_tanh_penalty needs a policy of make_policy (a layer named "
+                                    "'policy_output' before its tanh).") from e
             # The same layers (weights shared): the actions and the pre-tanh outputs in one pass.
             self._policy_and_pre_tanh = keras.Model(policy.inputs, [policy.outputs[0], pre_tanh])
         self._jit_losses = None  # compute_losses compiled per replica, made on first use

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 
 POLICY_LAYERS = (256, 256, 256)
 CRITIC_LAYERS = (512, 512, 256)
@@ -55,7 +55,7 @@ class ScaleToBounds(keras.layers.Layer):
         if len(self.low) != len(self.high) or not all(
             np.isfinite(lo) and np.isfinite(hi) and lo < hi for lo, hi in zip(self.low, self.high)
         ):
-            raise ValueError(
+            raise ArgumentError(
                 f"low and high must be finite, of equal length, with low < high; got "
                 f"{self.low} and {self.high}."
             )
@@ -109,7 +109,7 @@ def make_policy(
     obs_dim = check_int("obs_dim", obs_dim, minimum=1)
     layers = [check_int("layer size", s, minimum=1) for s in layers]
     if not layers:
-        raise ValueError("layers must name at least one hidden layer.")
+        raise ArgumentError("layers must name at least one hidden layer.")
     action_dim = len(np.ravel(low))
     obs = keras.Input((obs_dim,), name="observation")
     x = _layer_norm_mlp(obs, layers, "policy")
@@ -162,7 +162,7 @@ def make_atoms(v_min: float = -150.0, v_max: float = 150.0, num_atoms: int = 51)
     v_max = check_number("v_max", v_max)
     num_atoms = check_int("num_atoms", num_atoms, minimum=2)
     if not v_min < v_max:
-        raise ValueError(f"v_min must be below v_max, got {v_min} and {v_max}.")
+        raise ArgumentError(f"v_min must be below v_max, got {v_min} and {v_max}.")
     return np.linspace(v_min, v_max, num_atoms, dtype=np.float32)
 
 

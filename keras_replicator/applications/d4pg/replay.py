@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 
 
 class Transitions(NamedTuple):
@@ -87,7 +87,7 @@ class NStepAccumulator:
         self.n = check_int("n", n, minimum=1)
         self.discount = check_number("discount", discount, non_negative=True)
         if self.discount > 1:
-            raise ValueError(f"discount must be in [0, 1], got {discount!r}.")
+            raise ArgumentError(f"discount must be in [0, 1], got {discount!r}.")
         self._pending: collections.deque = collections.deque()
 
     def _emit(self, next_obs, terminated: bool) -> tuple:

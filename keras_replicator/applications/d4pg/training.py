@@ -87,7 +87,8 @@ class Evaluation(keras.callbacks.Callback):
     Example:
         ```python
         evaluation = Evaluation(config, learner, feeder, buffer, limiter, rows=[], done_steps=0)
-        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, callbacks=[evaluation])
+        learner.fit(dataset, epochs=1, steps_per_epoch=2**31 - 1, shuffle=False,
+                    callbacks=[evaluation])
         ```
     """
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import keras
 
-from keras_replicator._validation import check_choice, check_int, check_number
+from keras_replicator._validation import ArgumentError, check_choice, check_int, check_number
 
 _VARIANTS = ("v1.5", "keras_applications")
 _BLOCKS = ("bottleneck", "basic")
@@ -91,7 +91,7 @@ def apply_weight_decay(model: keras.Model, weight_decay: float) -> keras.Model:
         TypeError: ``model`` is not a Keras model.
     """
     if not isinstance(model, keras.Model):
-        raise TypeError(f"apply_weight_decay needs a keras.Model, got {type(model).__name__}.")
+        raise ArgumentError(f"apply_weight_decay needs a keras.Model, got {type(model).__name__}.")
     regularizer = _regularizer(_check_weight_decay(weight_decay))
 
     def visit(layer: keras.layers.Layer) -> None:
@@ -240,7 +240,7 @@ def resnet(
         ValueError: an argument is out of range or not one of its choices.
     """
     if isinstance(block_sizes, (str, bytes)) or not isinstance(block_sizes, Sequence) or not block_sizes:
-        raise ValueError(f"block_sizes must be a non-empty sequence of positive integers, got {block_sizes!r}.")
+        raise ArgumentError(f"block_sizes must be a non-empty sequence of positive integers, got {block_sizes!r}.")
     for n in block_sizes:
         check_int("each entry of block_sizes", n, minimum=1)
     check_int("num_classes", num_classes, minimum=1)
@@ -251,9 +251,9 @@ def resnet(
     weight_decay = _check_weight_decay(weight_decay)
     input_shape = tuple(input_shape)
     if len(input_shape) != 3:
-        raise ValueError(f"input_shape must be (height, width, channels), got {input_shape!r}.")
+        raise ArgumentError(f"input_shape must be (height, width, channels), got {input_shape!r}.")
     if not 0.0 <= check_number("bn_momentum", bn_momentum) < 1.0:
-        raise ValueError(f"bn_momentum must be in [0, 1), got {bn_momentum!r}.")
+        raise ArgumentError(f"bn_momentum must be in [0, 1), got {bn_momentum!r}.")
     check_number("bn_epsilon", bn_epsilon, positive=True)
 
     b = _Builder(
@@ -351,7 +351,7 @@ def resnet50(
     check_choice("variant", variant, _VARIANTS)
     if variant == "v1.5":
         if weights is not None:
-            raise ValueError(
+            raise ArgumentError(
                 "weights are only available for variant='keras_applications' "
                 "(Keras's pretrained ResNet50); the v1.5 model trains from scratch."
             )
@@ -369,7 +369,7 @@ def resnet50(
     check_int("num_classes", num_classes, minimum=1)
     _check_weight_decay(weight_decay)
     if batch_norm != "global" or bn_kwargs:
-        raise ValueError(
+        raise ArgumentError(
             "variant='keras_applications' always uses GlobalBatchNormalization with its "
             "defaults; batch_norm and bn_kwargs apply to variant='v1.5' only."
         )

@@ -29,7 +29,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_replicator._validation import check_bool, check_choice, check_int, check_number
+from keras_replicator._validation import (
+    ArgumentError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 from keras_replicator.applications.imagenet import NUM_TRAIN_EXAMPLES
 from keras_replicator.schedules import LinearScalingWarmup
 
@@ -149,7 +155,7 @@ class Recipe:
             check_int(name, getattr(self, name), minimum=1)
         check_number("base_learning_rate", self.base_learning_rate, positive=True)
         if not 0 <= check_number("warmup_epochs", self.warmup_epochs) < self.epochs:
-            raise ValueError(
+            raise ArgumentError(
                 f"warmup_epochs must be in [0, epochs={self.epochs}), got {self.warmup_epochs!r}."
             )
         check_choice("schedule", self.schedule, _SCHEDULES)
@@ -161,15 +167,15 @@ class Recipe:
             or boundaries[0] < self.warmup_epochs
             or any(a >= b for a, b in zip(boundaries, boundaries[1:]))
         ):
-            raise ValueError(
+            raise ArgumentError(
                 "step_boundaries must be increasing epochs, the first at least warmup_epochs="
                 f"{self.warmup_epochs}, got {self.step_boundaries!r}."
             )
         if not 0 <= check_number("momentum", self.momentum) < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}.")
+            raise ArgumentError(f"momentum must be in [0, 1), got {self.momentum!r}.")
         check_bool("nesterov", self.nesterov)
         if not 0 <= check_number("label_smoothing", self.label_smoothing) < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}.")
+            raise ArgumentError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}.")
         if self.weight_decay is None:
             wd = 5e-5 if self.global_batch_size >= LARGE_BATCH else 1e-4
             object.__setattr__(self, "weight_decay", wd)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator._validation import check_bool, check_int
+from keras_replicator._validation import ArgumentError, check_bool, check_int
 from keras_replicator.applications import imagenet
 
 __all__ = [
@@ -52,7 +52,7 @@ def _check_batches(global_batch_size, n_dis, num_replicas) -> tuple[int, int]:
     n_dis = check_int("n_dis", n_dis, minimum=1)
     num_replicas = check_int("num_replicas", num_replicas, minimum=1)
     if global_batch_size % num_replicas:
-        raise ValueError(
+        raise ArgumentError(
             f"global_batch_size={global_batch_size} is not divisible by the number of "
             f"replicas ({num_replicas})."
         )
@@ -140,7 +140,7 @@ def imagenet_input_fn(
         ```
     """
     if not isinstance(split, str) or not split:
-        raise ValueError(f"split must be a TFDS split name such as 'train', got {split!r}.")
+        raise ArgumentError(f"split must be a TFDS split name such as 'train', got {split!r}.")
     image_size = check_int("image_size", image_size, minimum=1)
     shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=1)
 

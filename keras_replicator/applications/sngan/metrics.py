@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator import collectives
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 
 __all__ = [
     "class_diversity",
@@ -53,7 +53,7 @@ def gaussian_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     f = np.asarray(features, np.float64)
     if f.ndim != 2 or f.shape[0] < 2:
-        raise ValueError(f"features must be [n >= 2, d], got shape {f.shape}.")
+        raise ArgumentError(f"features must be [n >= 2, d], got shape {f.shape}.")
     return f.mean(0), np.cov(f, rowvar=False)
 
 
@@ -83,7 +83,7 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
     s1, s2 = np.atleast_2d(sigma1).astype(np.float64), np.atleast_2d(sigma2).astype(np.float64)
     if mu1.shape != mu2.shape or s1.shape != s2.shape or s1.shape != (mu1.size, mu1.size):
-        raise ValueError(
+        raise ArgumentError(
             f"Shapes do not match: mu {mu1.shape} / {mu2.shape}, sigma {s1.shape} / {s2.shape}.")
     root1 = _sqrt_psd(s1)
     middle = np.linalg.eigvalsh(root1 @ s2 @ root1)
@@ -108,7 +108,7 @@ def inception_score(probabilities: np.ndarray, splits: int = 1) -> tuple[float, 
     p = np.asarray(probabilities, np.float64)
     splits = check_int("splits", splits, minimum=1)
     if p.ndim != 2 or p.shape[0] < splits:
-        raise ValueError(f"probabilities must be [n >= splits, classes], got shape {p.shape}.")
+        raise ArgumentError(f"probabilities must be [n >= splits, classes], got shape {p.shape}.")
     scores = []
     for part in np.array_split(p, splits):
         marginal = part.mean(0, keepdims=True)

@@ -27,7 +27,7 @@ import math
 import keras
 from keras import ops
 
-from keras_replicator._validation import check_int
+from keras_replicator._validation import ArgumentError, check_int
 from keras_replicator.layers import (
     ConditionalGlobalBatchNormalization,
     GlobalBatchNormalization,
@@ -82,17 +82,17 @@ class SNGANConfig:
             check_int(name, getattr(self, name), minimum=1)
         made = self.bottom_width * 2 ** len(self.g_multipliers)
         if made != self.image_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"image_size={self.image_size} cannot be made by this configuration: "
                 f"bottom_width {self.bottom_width} doubled by {len(self.g_multipliers)} "
                 f"up-blocks gives {made}."
             )
         if len(self.d_multipliers) != len(self.d_downsample) or not self.d_downsample:
-            raise ValueError("d_multipliers and d_downsample must have the same, non-zero length.")
+            raise ArgumentError("d_multipliers and d_downsample must have the same, non-zero length.")
         if not self.d_downsample[0]:
-            raise ValueError("The discriminator's first (optimized) block always downsamples.")
+            raise ArgumentError("The discriminator's first (optimized) block always downsamples.")
         if self.image_size % 2 ** sum(self.d_downsample):
-            raise ValueError(
+            raise ArgumentError(
                 f"image_size={self.image_size} is not divisible by 2**{sum(self.d_downsample)} "
                 "(the discriminator's downsampling)."
             )
@@ -132,7 +132,7 @@ def get_config(config: str | SNGANConfig) -> SNGANConfig:
     if isinstance(config, SNGANConfig):
         return config
     if config not in CONFIGS:
-        raise ValueError(f"Unknown SN-GAN configuration {config!r}; known: {sorted(CONFIGS)}.")
+        raise ArgumentError(f"Unknown SN-GAN configuration {config!r}; known: {sorted(CONFIGS)}.")
     return CONFIGS[config]
 
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_replicator import collectives, xla
-from keras_replicator._validation import check_int, check_number
+from keras_replicator._validation import ArgumentError, check_int, check_number
 
 __all__ = ["SNGAN", "default_optimizer", "hinge_d_loss", "hinge_g_loss"]
 
@@ -136,7 +136,7 @@ class SNGAN(keras.Model):
     ):
         for label, net in (("generator", generator), ("discriminator", discriminator)):
             if not isinstance(net, keras.Model) or len(net.inputs or []) != 2:
-                raise ValueError(
+                raise ArgumentError(
                     f"{label} must be a built keras.Model with two inputs ([z, labels] or "
                     f"[images, labels]), got {net!r}."
                 )
@@ -145,7 +145,7 @@ class SNGAN(keras.Model):
         if ema_decay is not None:
             ema_decay = check_number("ema_decay", ema_decay, non_negative=True)
             if ema_decay >= 1.0:
-                raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}.")
+                raise ArgumentError(f"ema_decay must be in [0, 1), got {ema_decay!r}.")
         seed = check_int("seed", seed, minimum=0)
         super().__init__(**kwargs)
         self.generator = generator
@@ -203,12 +203,12 @@ class SNGAN(keras.Model):
         """
         for label, opt in (("d_optimizer", d_optimizer), ("g_optimizer", g_optimizer)):
             if opt is not None and not isinstance(opt, keras.optimizers.Optimizer):
-                raise ValueError(f"{label} must be a keras.optimizers.Optimizer, got {opt!r}.")
+                raise ArgumentError(f"{label} must be a keras.optimizers.Optimizer, got {opt!r}.")
         if d_optimizer is not None and d_optimizer is g_optimizer:
-            raise ValueError("d_optimizer and g_optimizer must be two different optimizers.")
+            raise ArgumentError("d_optimizer and g_optimizer must be two different optimizers.")
         for key in ("optimizer", "loss", "metrics"):
             if key in kwargs:
-                raise ValueError(
+                raise ArgumentError(
                     f"SNGAN.compile takes d_optimizer and g_optimizer; it has no {key!r} argument."
                 )
         super().compile(**kwargs)
