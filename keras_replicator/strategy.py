@@ -525,7 +525,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         seed: int | None = None,
         batched: bool | None = None,
         options: tf.distribute.InputOptions | None = None,
-        padding: bool = False,
     ) -> tf.distribute.DistributedDataset:
         """Batches, shards and splits a dataset or an ``input_fn`` over the replicas.
 
@@ -562,7 +561,6 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             seed=seed,
             batched=batched,
             options=options,
-            padding=padding,
         )
 
     def experimental_distribute_dataset(self, dataset, options=None):
