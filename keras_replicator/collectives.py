@@ -83,10 +83,12 @@ def real_rows(x) -> tf.Tensor:
 
     A batch Keras reads (`fit`, `evaluate`, `predict`) with fewer rows than
     replicas gives each replica left without rows one padding row, which weighs
-    nothing in the loss, Keras's metrics, `GlobalBatchNormalization` and
-    `predict`'s output (docs/input.md). Code with effects of its own in a step (a
-    custom metric's `update_state`, a counter, a `train_step` of the model's own)
-    masks it out with this. Outside such a step every row is real.
+    nothing in the loss, Keras's metrics, batch normalization's statistics and
+    `predict`'s output (docs/input.md); so does a custom loop's batch from
+    ``distribute_dataset(..., padding=True)``. Code with effects of its own in a
+    step (a custom loop's loss, a custom metric's `update_state`, a counter, a
+    `train_step` of the model's own) masks it out with this (and divides by
+    `global_real_rows`). Outside such a step every row is real.
 
     Example:
         ```python
@@ -94,10 +96,39 @@ def real_rows(x) -> tf.Tensor:
         print(kr.real_rows(ids).numpy().tolist())   # [True, True, True]
         ```
     """
-    x = tf.convert_to_tensor(x)
     state = short_batches.current()
     real = tf.constant(True) if state is None else state.rows > 0
-    return tf.fill(tf.shape(x)[:1], real)
+    return tf.fill(tf.reshape(_batch_rows(x), [1]), real)
+
+
+def global_real_rows(x) -> tf.Tensor:
+    """The real examples of the step's global batch (all replicas, all workers), an int32 scalar.
+
+    What a replica of a custom loop divides its loss sum by, so that the
+    gradients summed over the replicas are one device's on the global batch:
+    ``sum(per_example * real) / global_real_rows(x)``, with ``real`` the
+    weights of `real_rows`. In a step run from a padded batch
+    (``distribute_dataset(..., padding=True)``, the batches Keras reads) it is
+    the batch's real rows; elsewhere ``x``'s rows times the replicas in the step
+    (`tf.nn.compute_average_loss`'s default), and outside a replica ``x``'s rows.
+
+    Example:
+        ```python
+        x = tf.ones((3, 2))
+        print(int(kr.global_real_rows(x)))   # 3: one replica, every row real
+        ```
+    """
+    state = short_batches.current()
+    if state is None:
+        return _batch_rows(x) * replicas_in_step()
+    return tf.cast(state.total, tf.int32)
+
+
+def _batch_rows(x) -> tf.Tensor:
+    """The rows of ``x`` (a dense or ragged tensor, or an array), int32."""
+    if isinstance(x, tf.RaggedTensor):
+        return tf.cast(x.nrows(), tf.int32)
+    return tf.shape(tf.convert_to_tensor(x), out_type=tf.int32)[0]
 
 
 def _check_op(op: str) -> str:

@@ -11,13 +11,10 @@ consume, with these guarantees:
   contiguous slices in replica order (replica 0 gets the first rows); with data
   sharding across ``W`` workers, slice ``j`` goes to worker ``j % W``
   (TensorFlow's layout, which Keras's multi-worker ``predict`` puts back in order).
-* **No empty replica.** TensorFlow splits a short last batch so that some
-  replicas may get no example at all (450 examples, global batch 64, 4
-  replicas: the last batch of 2 leaves two replicas empty), which breaks
-  oneDNN convolutions on CPU and wastes a step. Here the last two batches are
-  re-cut (62 + 4 instead of 64 + 2) so that every replica gets at least one
-  example whenever the pipeline has at least as many examples as replicas.
-  Slices of one batch differ in size by at most one.
+* **No empty replica.** A short last batch is re-cut with the one before
+  (62 + 4 instead of 64 + 2 on 4 replicas); with ``padding=True``, batches stay
+  as they come and a replica that would get no example gets a padding row
+  (`kr.real_rows`). A batch that would still leave a replica empty is an error.
 * **Sharding across input pipelines** (one per worker): by file when the data
   is read from at least as many files as there are pipelines, else by data
   (every pipeline reads the data and keeps its own slice of every global batch,
@@ -28,10 +25,8 @@ consume, with these guarantees:
 * **Speed**: autotuned ``tf.data``; over the CPU replicas of one worker, one host
   iterator for all replicas; elsewhere, prefetching to every replica's device.
 
-``model.fit(x, y)`` with NumPy arrays or an ordinary batched dataset under a
-``ReplicatorStrategy`` goes through the same machinery (the strategy's
-``experimental_distribute_dataset``), without TensorFlow's AUTO->DATA sharding
-warning.
+``model.fit(x, y)`` (arrays, a batched dataset) under a ``ReplicatorStrategy`` goes through the
+same machinery (``experimental_distribute_dataset``), without TensorFlow's AUTO->DATA warning.
 
 Example:
     ```python
@@ -230,6 +225,7 @@ class InputFn:
     shuffle_buffer_size: int | None = None
     seed: int | None = None
     batched: bool | None = None
+    padding: bool = False
 
     def global_batch(self, num_replicas: int) -> int:
         """The global batch size over ``num_replicas`` replicas (an error if they cannot share it)."""
@@ -308,6 +304,7 @@ class InputFn:
             drop=bool(self.drop_remainder),
             shuffle_buffer_size=self.shuffle_buffer_size,
             shuffle_seed=_shuffle_seed(self.seed, self.shuffle_buffer_size is not None, slice_level, input_context),
+            pad=self.padding,
         )
 
     def __call__(self, input_context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -378,6 +375,7 @@ def make_input_fn(
     shuffle_buffer_size: int | None = None,
     seed: int | None = None,
     batched: bool | None = None,
+    padding: bool = False,
 ) -> InputFn:
     """The ``input_fn`` behind `distribute_dataset`, for use with any strategy.
 
@@ -412,6 +410,7 @@ def make_input_fn(
     )
     check_bool("drop_remainder", drop_remainder, optional=True)
     check_bool("batched", batched, optional=True)
+    check_bool("padding", padding)
     check_int("shuffle_buffer_size", shuffle_buffer_size, minimum=1, optional=True)
     check_int("seed", seed, optional=True)
     return InputFn(
@@ -423,6 +422,7 @@ def make_input_fn(
         shuffle_buffer_size=None if shuffle_buffer_size is None else int(shuffle_buffer_size),
         seed=None if seed is None else int(seed),
         batched=None if batched is None else bool(batched),
+        padding=bool(padding),
     )
 
 
@@ -477,6 +477,7 @@ def distribute_dataset(
     seed: int | None = None,
     batched: bool | None = None,
     options: tf.distribute.InputOptions | None = None,
+    padding: bool = False,
 ) -> tf.distribute.DistributedDataset:
     """Distributes a dataset or an ``input_fn`` over the replicas of ``strategy``.
 
@@ -534,6 +535,11 @@ def distribute_dataset(
             each replica's slice to its device, except over the CPU replicas of
             one worker, where one host iterator feeds them all (any options
             given bring back TensorFlow's per-device pipelines).
+        padding: ``False``: a short last batch is re-cut with the one before; one
+            that would still leave a replica without examples is an error. ``True``:
+            batches as they come, each element one that ``strategy.run`` takes
+            apart; a replica without examples gets a padding row (`kr.real_rows`;
+            divide a custom loop's loss sum by `kr.global_real_rows`).
 
     Returns:
         A ``tf.distribute.DistributedDataset`` for ``model.fit/evaluate/predict``
@@ -556,6 +562,7 @@ def distribute_dataset(
         shuffle_buffer_size=shuffle_buffer_size,
         seed=seed,
         batched=batched,
+        padding=padding,
     )
     input_fn.global_batch(strategy.num_replicas_in_sync)  # divisible: an error before any work
     _check_options(options)

@@ -525,6 +525,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
         seed: int | None = None,
         batched: bool | None = None,
         options: tf.distribute.InputOptions | None = None,
+        padding: bool = False,
     ) -> tf.distribute.DistributedDataset:
         """Batches, shards and splits a dataset or an ``input_fn`` over the replicas.
 
@@ -561,6 +562,7 @@ class ReplicatorStrategy(tf.distribute.Strategy):
             seed=seed,
             batched=batched,
             options=options,
+            padding=padding,
         )
 
     def experimental_distribute_dataset(self, dataset, options=None):

@@ -18,7 +18,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.layers import layer as keras_layer
 from keras.src.random import seed_generator
-from keras.src.trainers import epoch_iterator
+from keras.src.trainers import compile_utils, epoch_iterator
 
 import keras_replicator as kr
 from keras_replicator import versions
@@ -34,6 +34,7 @@ from keras_replicator._compat import (
     keras_trainer,
     keras_xla,
     patching,
+    short_batches,
 )
 
 pytestmark = [pytest.mark.devices(1), pytest.mark.core]
@@ -154,6 +155,19 @@ def test_batch_norm_refuses_a_build_that_makes_its_statistics_otherwise(monkeypa
     changed = modified(keras.layers.BatchNormalization.build, "self.add_weight(", "self.add_variable(")
     monkeypatch.setattr(keras.layers.BatchNormalization, "build", changed)
     _refused(keras_batch_norm.PATCH, "BatchNormalization.build", "add_weight")
+
+
+def test_batch_norm_row_weights_refuse_a_call_that_updates_its_statistics_otherwise(monkeypatch):
+    changed = modified(keras.layers.BatchNormalization.call, ".assign(", ".assign_value(")
+    monkeypatch.setattr(keras.layers.BatchNormalization, "call", changed)
+    _refused(keras_batch_norm.ROW_WEIGHTED_ASSIGN, "BatchNormalization.call", "assign")
+
+
+def test_short_batches_refuse_compile_metrics_that_loop_otherwise(monkeypatch):
+    changed = modified(compile_utils.CompileMetrics.update_state, "self._flat_weighted_metrics", "self._weighted")
+    monkeypatch.setattr(compile_utils.CompileMetrics, "update_state", changed)
+    (patch,) = [p for p in short_batches.PATCHES if p.owner is compile_utils.CompileMetrics]
+    _refused(patch, "CompileMetrics.update_state", "_flat_weighted_metrics")
 
 
 def test_seed_generator_refuses_draws_that_bypass_next(monkeypatch):

@@ -25,7 +25,7 @@ patch's guards check what it patches on whatever is installed.
 | `preemption` | the coordination service's key-value store and barriers, its SIGTERM notice key | private `Context` methods; a SIGTERM handler while `fit` runs (one process) | TF 2.16-2.21 |
 | `keras_initial_epoch` | `Trainer._initial_epoch` (the epoch `fit` starts at) | read and set from a callback's `on_train_begin`, as `BackupAndRestore` does | Keras 3.8-3.15 |
 | `keras_xla` | `TensorFlowTrainer._make_function`, `Trainer._resolve_auto_jit_compile`, Keras variables' `_direct_assign` | permanent patches, ours only: XLA per replica, cross-replica work outside it | Keras 3.8-3.15 |
-| `keras_batch_norm` | `BatchNormalization.add_weight` | scoped patch (strategy scope) | Keras 3.8-3.15 |
+| `keras_batch_norm` | `BatchNormalization.add_weight`, `KerasVariable.assign` (its moving statistics only) | scoped patch (strategy scope) | Keras 3.8-3.15 |
 | `keras_seed_generator` | `SeedGenerator.next`: the seed of every Keras random op (dropout, `Random*` layers, noise), folded with the replica index so replicas draw independently | scoped patch (strategy scope), ours only | Keras 3.8-3.15 |
 | `parameter_server` | Keras's trainer loop through a `ClusterCoordinator`, Keras variables' updates, sharded reads, random draws folded with the worker index (via `keras_seed_generator`) | implementations the trainer wrapper calls; scoped patch (atomic updates while a step is traced), installed patch (sharded reads, with a partitioner) | TF 2.16-2.21, Keras 3.8-3.15 |
 | `keras_optimizer` | `TFOptimizer._all_reduce_sum_gradients`, `LossScaleOptimizer.__init__` | per-instance override; installed check | Keras 3.8-3.15 |
@@ -257,7 +257,7 @@ def _strategy_scope():
         patching,
     )
 
-    return patching.Patches([all_reduce_gradient.PATCH, keras_batch_norm.PATCH,
+    return patching.Patches([all_reduce_gradient.PATCH, keras_batch_norm.PATCH, keras_batch_norm.ROW_WEIGHTED_ASSIGN,
                              keras_seed_generator.PATCH])
 
 

@@ -16,15 +16,28 @@ moving statistics track the average of the replicas' local statistics and are
 the same everywhere. Training-time normalization is untouched (local
 statistics, as Keras documents). Layers with `synchronized=True` need no help
 (their statistics are all-reduced) and are left alone.
+
+In a step run from a `short_batches.PaddedBatch` (a batch with fewer rows than
+replicas, or split unevenly), each replica's update of these statistics is
+weighted by its real rows: `KerasVariable.assign` (scoped too) turns a marked
+statistic's new value ``v`` into ``old + (v - old) * rows * N / total``, so the
+mean over the N replicas is the average of the replicas' values weighted by
+``rows / total``: a padding replica (0 rows) contributes nothing, and a replica
+with k of the batch's n rows counts k / n, as its rows would on one device.
+Even slices (weight 1) keep ``v`` itself, bit for bit.
 """
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import variables as keras_variables
 
-from keras_replicator._compat import patching
+from keras_replicator._compat import patching, short_batches
 from keras_replicator._compat.patching import ScopedPatch, ours
+
+#: Set on the moving statistics this module made mean-aggregated (weighted by rows in padded steps).
+_MARK = "_keras_replicator_row_weighted"
 
 
 def _replicating() -> bool:
@@ -44,6 +57,9 @@ def _mean_aggregated_statistics(original):
             and _replicating()
         ):
             kwargs["aggregation"] = "mean"
+            variable = original(self, *args, **kwargs)
+            setattr(variable, _MARK, True)
+            return variable
         return original(self, *args, **kwargs)
 
     return add_weight
@@ -56,3 +72,31 @@ BUILD_ADDS_STATISTICS = patching.calls(
 
 PATCH = ScopedPatch(keras.layers.BatchNormalization, "add_weight", _mean_aggregated_statistics,
                     guards=[BUILD_ADDS_STATISTICS])
+
+
+def _row_weighted_assign(original):
+    """`KerasVariable.assign`. Why: see the module (a padded step's statistics weighted by rows)."""
+
+    def assign(self, value):
+        scale = replica_weight() if getattr(self, _MARK, False) else None
+        if scale is not None:
+            old = tf.convert_to_tensor(self.value)
+            value = tf.convert_to_tensor(value, dtype=old.dtype)
+            scale = tf.cast(scale, old.dtype)
+            value = tf.where(tf.equal(scale, 1), value, old + (value - old) * scale)
+        return original(self, value)
+
+    return assign
+
+
+def replica_weight():
+    """``rows * N / total`` of the replica in a padded step of more than one replica, else None."""
+    if not _replicating() or tf.distribute.get_replica_context() is None:
+        return None
+    return short_batches.replica_loss_scale(tf.float64)
+
+
+ROW_WEIGHTED_ASSIGN = ScopedPatch(keras_variables.Variable, "assign", _row_weighted_assign,
+                                  guards=[patching.calls("keras BatchNormalization.call (assigns moving_mean)",
+                                                         lambda: keras.layers.BatchNormalization.call,
+                                                         "assign", "moving_mean", "moving_variance")])

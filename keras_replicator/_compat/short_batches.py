@@ -20,13 +20,22 @@ and keeps the counts for the replica while the step is traced, for:
   makes the summed gradient one device's (each replica's mean loss counts by its
   rows, as on one device);
 * metrics: `Mean` and `Sum` (the loss tracker and every `MeanMetricWrapper`
-  metric) give a padding replica's update weight 0;
+  metric) give a padding replica's update weight 0, and `CompileMetrics`
+  (the metrics of `compile`) gives every metric, weighted or not, a per-row
+  sample weight that is 0 on a padding replica (`Precision`, `AUC` and the
+  other confusion-matrix metrics count their rows themselves);
+* plain `BatchNormalization`'s moving statistics: `keras_batch_norm` weighs
+  each replica's update by its rows;
 * `GlobalBatchNormalization`: a padding replica counts no rows (`padding_mask`);
 * `predict`: a padding replica's output rows are dropped (`predicting`).
 
-Only the elements of datasets Keras distributes are wrapped (`keras_distributing`,
-entered by `TFEpochIterator.__init__`'s patch in `keras_trainer`): a custom loop
-iterating `strategy.distribute_dataset(...)` gets plain batches, as before.
+The elements of datasets Keras distributes are wrapped (`keras_distributing`,
+entered by `TFEpochIterator.__init__`'s patch in `keras_trainer`), and those of
+`distribute_dataset(..., padding=True)` (a custom loop passes the element to
+`strategy.run`, which takes it apart as for Keras; `kr.real_rows` and
+`kr.global_real_rows` give the step its counts). Any other custom loop gets plain
+batches, and a batch that would leave a replica without rows is refused by the
+input pipeline (`input_pipeline.split`).
 
 Why padding rather than empty slices: on an empty slice, TensorFlow and Keras
 ops take other branches (`ops.add` treats a `(0, n)` operand as a bias, the LSTM
@@ -37,7 +46,8 @@ rows form a step, so training is no longer one device's, and it cannot help a
 dataset with fewer rows than replicas.
 
 Checked on Keras 3.15 (`BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`,
-`reduction_metrics.Mean.update_state` / `Sum.update_state`).
+`reduction_metrics.Mean.update_state` / `Sum.update_state`,
+`compile_utils.CompileMetrics.update_state`).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +63,9 @@ from typing import Any
 import tensorflow as tf
 from keras.src.metrics import reduction_metrics
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+from keras.src.trainers import compile_utils
 
+from keras_replicator._compat import patching
 from keras_replicator._compat.patching import ScopedPatch
 
 __all__ = [
@@ -160,7 +173,10 @@ def _trim(outputs, rows):
 
 def unwrap(strategy, fn: Callable, args, kwargs) -> tuple[Callable, tuple, Any]:
     """``strategy.run``'s arguments with a `PaddedBatch` taken apart for the step (see the module)."""
-    if len(args) != 1 or not isinstance(args[0], (PaddedBatch, LocalPaddedBatch)):
+    splat = isinstance(args, (PaddedBatch, LocalPaddedBatch))  # strategy.run(step, args=batch)
+    if splat:
+        args = (args,)
+    if not args or not isinstance(args[0], (PaddedBatch, LocalPaddedBatch)):
         return fn, args, kwargs
     padded = args[0]
     local = isinstance(padded, LocalPaddedBatch)
@@ -175,13 +191,13 @@ def unwrap(strategy, fn: Callable, args, kwargs) -> tuple[Callable, tuple, Any]:
         stack = _stack()
         stack.append(_Rows(rows, total, replicas))
         try:
-            outputs = fn(padded.batch, *rest, **kw)
+            outputs = fn(*padded.batch, *rest, **kw) if splat else fn(padded.batch, *rest, **kw)
         finally:
             stack.pop()
         return _trim(outputs, rows) if trims else outputs
 
     step.__name__ = getattr(fn, "__name__", "step")
-    return step, (PaddedBatch(*padded),), kwargs
+    return step, (PaddedBatch(*padded), *args[1:]), kwargs
 
 
 def mark_weighted(loss) -> None:
@@ -221,11 +237,64 @@ def _masked_update(original):
     return update_state
 
 
+def _row_weights(y_pred, sample_weight):
+    """``sample_weight`` (None: one per row of ``y_pred``) times 0 on a padding replica."""
+    keep = _keep(sample_weight.dtype if hasattr(sample_weight, "dtype") else "float32")
+    if sample_weight is not None:
+        return tf.cast(sample_weight, keep.dtype) * keep
+    y_pred = tf.convert_to_tensor(y_pred)
+    return tf.fill(tf.shape(y_pred)[:1], keep) if y_pred.shape.rank else keep
+
+
+def _takes_weights(metric) -> bool:
+    parameters = inspect.signature(metric.update_state).parameters
+    return "sample_weight" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _masked_compile_metrics(original):
+    """`CompileMetrics.update_state`. Why: a metric that is not a `Mean` counts its rows itself.
+
+    In a padded step every compiled metric, weighted or not, gets a per-row weight
+    (the sample weight, if any, times 0 on a padding replica, 1 elsewhere): the
+    loop of Keras's method, with that weight. Outside a padded step: Keras's.
+    """
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        if current() is None:
+            return original(self, y_true, y_pred, sample_weight)
+        if not self.built:
+            self.build(y_true, y_pred)
+        y_true, y_pred = self._flatten_y(y_true), self._flatten_y(y_pred)
+        if sample_weight is not None:
+            sample_weight = self._flatten_y(sample_weight)
+            if len(sample_weight) < len(y_true):  # one weight for every output, as Keras does
+                sample_weight = [sample_weight[0]] * len(y_true)
+        else:
+            sample_weight = [None] * len(y_true)
+        for m, y_t, y_p in zip(self._flat_metrics, y_true, y_pred):
+            if m and _takes_weights(m):
+                m.update_state(y_t, y_p, sample_weight=_row_weights(y_p, None))
+            elif m:  # a custom metric without sample_weight masks its rows itself (kr.real_rows)
+                m.update_state(y_t, y_p)
+        for m, y_t, y_p, s_w in zip(self._flat_weighted_metrics, y_true, y_pred, sample_weight):
+            if m:
+                m.update_state(y_t, y_p, _row_weights(y_p, s_w))
+
+    return update_state
+
+
+#: What `_masked_compile_metrics` relies on: Keras's method loops over these two lists.
+COMPILE_METRICS_LOOP = patching.calls(
+    "keras CompileMetrics.update_state (loops over _flat_metrics and _flat_weighted_metrics)",
+    lambda: compile_utils.CompileMetrics.update_state, "_flatten_y", "_flat_metrics", "_flat_weighted_metrics")
+
 PATCHES = (
     ScopedPatch(base_optimizer.BaseOptimizer, "scale_loss", _scaled_loss),
     ScopedPatch(loss_scale_optimizer.LossScaleOptimizer, "scale_loss", _scaled_loss),
     ScopedPatch(reduction_metrics.Mean, "update_state", _masked_update),
     ScopedPatch(reduction_metrics.Sum, "update_state", _masked_update),
+    ScopedPatch(compile_utils.CompileMetrics, "update_state", _masked_compile_metrics,
+                guards=[COMPILE_METRICS_LOOP]),
 )
 
 
