@@ -14,7 +14,8 @@ consume, with these guarantees:
 * **No empty replica.** A short last batch is re-cut with the one before
   (62 + 4 instead of 64 + 2 on 4 replicas); with ``padding=True``, batches stay
   as they come and a replica that would get no example gets a padding row
-  (`kr.real_rows`). A batch that would still leave a replica empty is an error.
+  (`kr.real_rows`). Without it, a dataset (or a worker's share) with fewer
+  examples than replicas leaves the last replicas empty, as TensorFlow does.
 * **Sharding across input pipelines** (one per worker): by file when the data
   is read from at least as many files as there are pipelines, else by data
   (every pipeline reads the data and keeps its own slice of every global batch,
@@ -535,8 +536,9 @@ def distribute_dataset(
             each replica's slice to its device, except over the CPU replicas of
             one worker, where one host iterator feeds them all (any options
             given bring back TensorFlow's per-device pipelines).
-        padding: ``False``: a short last batch is re-cut with the one before; one
-            that would still leave a replica without examples is an error. ``True``:
+        padding: ``False``: a short last batch is re-cut with the one before; a
+            dataset with fewer examples than replicas leaves the last ones empty
+            (a dense model trains; a convolution, an RNN or ``Add`` fails). ``True``:
             batches as they come, each element one that ``strategy.run`` takes
             apart; a replica without examples gets a padding row (`kr.real_rows`;
             divide a custom loop's loss sum by `kr.global_real_rows`).

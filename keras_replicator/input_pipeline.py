@@ -14,8 +14,8 @@ its batches), as optax chains its transformations:
 5. `recut_tail`: no replica left empty by a short last batch (not when padding);
 6. `split`: each batch into per-replica slices, this pipeline's only (with `Plan.pad`:
    each slice with its count of real rows, an empty one given a padding row:
-   `_compat.short_batches`; without, a batch that would leave a slice empty is
-   an error, `EMPTY_REPLICA`);
+   `_compat.short_batches`; without, a batch with fewer rows than slices leaves
+   the last ones empty, as TensorFlow does);
 7. `assert_cardinality`: the number of elements, when it is known;
 8. `finish`: deterministic order unless chosen otherwise, prefetching.
 
@@ -358,16 +358,6 @@ def _recut(batches: tf.data.Dataset, minimum: int) -> tf.data.Dataset:
     return stream.scan(empty, step).filter(is_valid).map(batch_of)
 
 
-#: The error of a batch that would leave a replica of a custom loop without rows.
-EMPTY_REPLICA = (
-    "distribute_dataset: a batch has fewer examples than the replicas it is split over, so some "
-    "replica would get none (the dataset, or one worker's share of it, is smaller than the number "
-    "of replicas, or a short last batch could not be re-cut: components of unknown non-batch "
-    "dimensions, as from padded_batch or ragged tensors). Pass padding=True to distribute_dataset "
-    "(such a replica gets a padding row that kr.real_rows marks), or drop_remainder=True."
-)
-
-
 def _split(batches: tf.data.Dataset, num_slices: int, first: int, step: int, static_rows: int | None):
     """Splits every batch into ``num_slices`` contiguous slices; keeps ``first, first + step, ...``.
 
@@ -396,9 +386,6 @@ def _split(batches: tf.data.Dataset, num_slices: int, first: int, step: int, sta
 
     def slices(batch):
         n = _rows(batch)
-        # No replica left without rows (re-cutting could not help: see `EMPTY_REPLICA`).
-        with tf.control_dependencies([tf.debugging.assert_greater_equal(n, num, message=EMPTY_REPLICA)]):
-            n = tf.identity(n)
         q, rem = n // num, n % num
 
         def one(j):

@@ -67,6 +67,24 @@ def test_fit_outside_the_scope_warns_that_it_runs_on_one_device(tmp_path):
 # --- fewer examples than replicas -----------------------------------------------------------
 
 
+def _onednn_fails_on_an_empty_batch() -> bool:
+    """Whether TensorFlow's oneDNN convolution fails on an empty batch on this CPU.
+
+    It depends on the machine: it failed on the machines this suite first ran on and computes
+    the right (empty) result on others (seen on 2026-11-25). One device, eagerly.
+    """
+    model = conv_model()
+    x = tf.zeros((0, 8, 8, 3))
+    try:
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_sum(out)
+        tape.gradient(loss, model.trainable_variables)
+    except (tf.errors.InvalidArgumentError, ValueError):
+        return True
+    return tuple(out.shape) != (0, 4)  # a wrongly shaped result is the same failure
+
+
 def test_fewer_examples_than_replicas_with_a_conv_model():
     strategy = strategy_for(4)
     with strategy.scope():
@@ -80,11 +98,16 @@ def test_fewer_examples_than_replicas_with_a_conv_model():
     after = model.get_weights()
     assert all(np.isfinite(w).all() for w in after)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
-    # A dataset the strategy distributed: a replica left without examples is an error that
-    # names the fix before any step runs; with padding=True it trains (docs/input.md).
+    # A dataset the strategy distributed without padding keeps its documented limit
+    # (docs/input.md): a replica is left empty, and TensorFlow's failure there is named.
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="fewer examples than the replicas.*padding=True"):
-        model.fit(strategy.distribute_dataset(dataset, global_batch_size=8), epochs=1, verbose=0)
+    train = strategy.distribute_dataset(dataset, global_batch_size=8)
+    if _onednn_fails_on_an_empty_batch():
+        with pytest.raises(ValueError, match="fewer examples than the 4 replicas.*TF_ENABLE_ONEDNN_OPTS=0"):
+            model.fit(train, epochs=1, verbose=0)
+    else:
+        model.fit(train, epochs=1, verbose=0)
+    # With padding=True it trains, whatever the CPU.
     before = model.get_weights()
     model.fit(strategy.distribute_dataset(dataset, global_batch_size=8, padding=True), epochs=1, verbose=0)
     after = model.get_weights()

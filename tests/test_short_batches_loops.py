@@ -75,14 +75,32 @@ def test_custom_train_steps_without_scale_loss_train_as_one_device(ours, one_dev
 
 
 @pytest.mark.parametrize("case", ["tiny", "padded_batch"])
-def test_a_custom_loop_batch_that_would_leave_a_replica_empty_is_an_error(case):
+def test_a_batch_smaller_than_the_replicas_leaves_one_empty_unless_padded(case):
+    # Without padding (the default, for loops that unpack `for x, y in ...`) TensorFlow's split is
+    # kept: every row once, the last replicas empty. With padding=True every replica gets rows,
+    # and `kr.real_rows` counts the real ones: the same rows once.
     strategy = kr.ReplicatorStrategy()
     if case == "tiny":
         dataset = tf.data.Dataset.from_tensor_slices(np.ones((3, 2), "float32"))
-        batches = strategy.distribute_dataset(dataset, global_batch_size=4)
+        options = {"global_batch_size": 4}
     else:  # 5 sequences in batches of 4: the last batch (1 row) cannot be re-cut
         dataset = tf.data.Dataset.range(1, 6).map(lambda n: tf.range(n)).padded_batch(4)
-        batches = strategy.distribute_dataset(dataset, global_batch_size=4, batched=True)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="padding=True"):
-        for batch in batches:
-            strategy.run(tf.reduce_sum, args=(batch,))
+        options = {"global_batch_size": 4, "batched": True}
+
+    def rows_per_replica(padding):
+        counts = []
+        for batch in strategy.distribute_dataset(dataset, padding=padding, **options):
+            if padding:
+                rows = strategy.run(lambda b: (tf.shape(b)[0], tf.reduce_sum(tf.cast(kr.real_rows(b), tf.int32))),
+                                    args=(batch,))
+            else:
+                rows = strategy.run(lambda b: (tf.shape(b)[0], tf.shape(b)[0]), args=(batch,))
+            counts.append([(int(a), int(r)) for a, r in zip(*(strategy.experimental_local_results(v) for v in rows))])
+        return counts
+
+    plain, padded = rows_per_replica(False), rows_per_replica(True)
+    last = plain[-1]
+    assert sum(r for _, r in last) == (3 if case == "tiny" else 1)
+    assert any(a == 0 for a, _ in last), last
+    assert all(a >= 1 for step in padded for a, _ in step), padded
+    assert [sum(r for _, r in step) for step in padded] == [sum(r for _, r in step) for step in plain]
