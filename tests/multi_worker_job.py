@@ -206,13 +206,13 @@ def short_batches(out: str) -> None:
     from tests import short_batches_cases as cases
 
     arrays = {}
-    for family, row_counts in cases.MULTI_WORKER_CASES.items():
+    for family in cases.MULTI_WORKER_FAMILIES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the one-device model: its initial weights only
             initial = cases.build(family).get_weights()
         with strategy.scope():
             model = cases.build(family)
-        for rows, batch_size in row_counts:
+        for rows, batch_size in cases.ROWS:
             got = cases.run_case(model, family, rows, batch_size, initial)
             for field, value in got.items():
                 for i, v in enumerate(value if field == "weights" else [value]):

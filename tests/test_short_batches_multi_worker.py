@@ -1,9 +1,8 @@
 """Batches with fewer rows than replicas on 2 workers x 2 replicas (issue 50), against one device.
 
-One job (``tests/multi_worker_job.py short``) runs the cells of
-``short_batches_cases.MULTI_WORKER_CASES`` (one per property that crosses workers;
-tests/test_short_batches.py runs the whole matrix on 4 replicas) on 2 local
-workers (127.0.0.1) through the launcher; the one-device reference is computed here.
+One job (``tests/multi_worker_job.py short``) runs the whole matrix of
+tests/short_batches_cases.py on 2 local workers (127.0.0.1) through the launcher;
+the one-device reference is computed here.
 """
 
 from __future__ import annotations
@@ -42,12 +41,12 @@ def test_every_family_and_row_count_on_two_workers_gives_one_devices_results(tmp
     for i in range(2):
         with np.load(os.path.join(tmp_path, f"short{i}.npz")) as f:
             workers.append(dict(f))
-    for family, row_counts in cases.MULTI_WORKER_CASES.items():
+    for family in cases.MULTI_WORKER_FAMILIES:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reference = cases.build(family)
         initial = reference.get_weights()
-        for rows, batch_size in row_counts:
+        for rows, batch_size in cases.ROWS:
             want = cases.run_case(reference, family, rows, batch_size, initial)
             for arrays in workers:
                 got = _fields(arrays, family, rows)
