@@ -141,8 +141,43 @@ def test_busy_cores_end_with_the_block_and_bad_counts_are_refused():
     with run_suite.busy_cores(1) as processes:
         assert processes[0].poll() is None
     assert processes[0].returncode == -signal.SIGKILL
-    assert run_suite._busy_option(["--busy", "2", "-k", "x"]) == (2, ["-k", "x"])
-    assert run_suite._busy_option(["tests/a.py", "--busy=1"]) == (1, ["tests/a.py"])
+    assert run_suite._busy_option(["--busy", "2", "-k", "x"]) == (2, False, ["-k", "x"])
+    assert run_suite._busy_option(["tests/a.py", "--busy=1", "--record"]) == (1, True, ["tests/a.py"])
     for bad in (["--busy"], ["--busy", "two"], ["--busy=-1"]):
         with pytest.raises(SystemExit, match=re.escape("--busy takes a whole number of busy cores")):
             run_suite._busy_option(bad)
+
+
+def test_each_count_is_cut_into_parts_by_measured_time_and_a_run_records_it(tmp_path):
+    files = {f"test_{name}.py": f"import pytest\npytestmark = pytest.mark.devices({n})\ndef test_a(): pass\n"
+             for name, n in [("a", 4), ("b", 4), ("c", 4), ("d", 4), ("e", 2)]}
+    _write(tmp_path, **files)
+    paths = sorted(str(tmp_path / name) for name in files)
+    measured = {"4": {"test_a.py": 600, "test_b.py": 400, "test_c.py": 250, "test_d.py": 100}}
+    parts = run_suite.plan(paths, measured, chunk=500)
+    # 1350 s of 4-device modules in parts of about 500 s: 3 parts, each module whole, longest first;
+    # the 2-device module, unmeasured, is one part of its own.
+    assert [(p.devices, sorted(os.path.basename(f) for f in p.files), p.seconds) for p in parts] == [
+        (4, ["test_a.py"], 600), (4, ["test_b.py"], 400), (4, ["test_c.py", "test_d.py"], 350),
+        (2, ["test_e.py"], run_suite._UNMEASURED_SECONDS)]
+    assert [p.title for p in parts][::3] == ["pytest with 4 simulated CPU device(s), part 1 of 3",
+                                              "pytest with 2 simulated CPU device(s)"]
+    # Options stay, node ids keep their module's count.
+    assert run_suite._split_args(["-m", "core", paths[0] + "::test_a"]) == ([paths[0] + "::test_a"], ["-m", "core"])
+    # A run with --record writes what each module took, per count, keeping what it did not run.
+    durations = tmp_path / "durations.json"
+    durations.write_text('{"4": {"test_old.py": 7.0}}')
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("KR_TEST_DEVICES", None)
+    _write(tmp_path, **{"conftest.py": CONFTEST})
+    code = (
+        "import sys; from tests import run_suite; run_suite.DURATIONS = sys.argv[1];"
+        "sys.exit(run_suite.main(sys.argv[2:]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(durations), "--record", *paths], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "5 passed, 0 failed, 0 skipped"
+    recorded = __import__("json").loads(durations.read_text())
+    assert set(recorded["4"]) == {"test_old.py", "test_a.py", "test_b.py", "test_c.py", "test_d.py"}
+    assert set(recorded["2"]) == {"test_e.py"} and recorded["4"]["test_old.py"] == 7.0
