@@ -1,6 +1,6 @@
 """The core subset (`pytest -m core`) on TensorFlow x Keras pairs, each in its own venv.
 
-Usage: `python -m tests.versions [--ci | --pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--json PATH]`
+Usage: `python -m tests.versions [--ci | --pairs 2.16.2:3.8.0,2.19.1:3.10.0] [--json PATH] [--prepare]`
 (`make test-versions` runs every pair of `keras_replicator.versions.PAIRS`; `.ci/run`
 `--ci`: `versions.CI_PAIRS`, the oldest and TF 2.19.1 + Keras 3.10).
 
@@ -11,6 +11,9 @@ dependencies (pip's cache keeps a second run fast); the pair's Keras is installe
 it before the run (`pip install keras==...`: seconds), so one venv serves every Keras
 on that TensorFlow. The package itself is imported from this checkout (`PYTHONPATH`),
 not installed. KerasHub's core test runs only where the venv has keras-hub.
+
+`--prepare` only makes the pairs' venvs (`.ci/run` makes them while the full suite runs: pip
+waits on the network and the disk more than on the cores).
 
 Each pair also checks pip: `pip install --dry-run ".[cpu]"` in its venv (which holds the pair)
 must install keras-replicator and nothing else (it keeps the pair's TensorFlow and Keras).
@@ -134,10 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", help="comma-separated tensorflow:keras versions (default: PAIRS)")
     parser.add_argument("--ci", action="store_true", help="the pairs CI runs (versions.CI_PAIRS)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--prepare", action="store_true", help="only make the pairs' venvs")
     args = parser.parse_args(argv)
     module = _versions_module()
     pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs
              else module.CI_PAIRS if args.ci else module.PAIRS)
+    if args.prepare:
+        for tensorflow, keras in pairs:
+            start = time.monotonic()
+            python = venv_for(tensorflow, keras)
+            print(f"versions: {python} holds TF {tensorflow} + Keras {keras} "
+                  f"({(time.monotonic() - start) / 60:.1f} min)", flush=True)
+        return 0
     results = []
     for tensorflow, keras in pairs:
         result = run_pair(tensorflow, keras)
