@@ -11,15 +11,13 @@ consume, with these guarantees:
   contiguous slices in replica order (replica 0 gets the first rows); with data
   sharding across ``W`` workers, slice ``j`` goes to worker ``j % W``
   (TensorFlow's layout, which Keras's multi-worker ``predict`` puts back in order).
-* **No empty replica.** A short last batch is re-cut with the one before
-  (62 + 4 instead of 64 + 2 on 4 replicas); with ``padding=True``, batches stay
-  as they come and a replica that would get no example gets a padding row
-  (`kr.real_rows`). Without it, a dataset (or a worker's share) with fewer
-  examples than replicas leaves the last replicas empty, as TensorFlow does.
-* **Sharding across input pipelines** (one per worker): by file when the data
-  is read from at least as many files as there are pipelines, else by data
-  (every pipeline reads the data and keeps its own slice of every global batch,
-  so all workers run the same number of steps).
+* **No empty replica.** A short last batch is re-cut with the one before (62 + 4, not
+  64 + 2, on 4 replicas); with ``padding=True``, batches stay as they come and a replica
+  that would get no example gets a padding row (`kr.real_rows`). Without it, a dataset
+  (or a worker's share) smaller than the replicas leaves the last ones empty.
+* **Sharding across input pipelines** (one per worker): by file when the data is read
+  from at least as many files as there are pipelines, else by data (every pipeline
+  reads the data and keeps its slice of every global batch: the same steps everywhere).
 * **Errors before any step**: batch sizes that do not divide, a batched
   dataset whose batch disagrees, too few files for file sharding, an infinite
   dataset given to Keras without a step count.
