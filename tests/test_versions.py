@@ -130,3 +130,13 @@ def test_a_supported_pair_makes_a_strategy_without_a_version_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", versions.UntestedVersionWarning)
         kr.ReplicatorStrategy()
+
+
+def test_the_matrix_runs_kerashub_on_each_pair_a_keras_hub_release_supports():
+    from tests import versions as matrix
+
+    with_hub = {pair: matrix.hub_requirements(*pair) for pair in versions.PAIRS}
+    assert {pair for pair, hub in with_hub.items() if hub} == {("2.20.0", "3.15.1"), ("2.21.0", "3.15.1")}
+    # tensorflow-text pins its TensorFlow minor: the pair's, or pip would move TensorFlow.
+    assert with_hub[("2.20.0", "3.15.1")] == ["keras-hub>=0.32", "tensorflow-text~=2.20.0"]
+    assert with_hub[("2.21.0", "3.15.1")] == ["keras-hub>=0.32", "tensorflow-text~=2.21.0"]

@@ -10,7 +10,8 @@ with `python -m venv` and `pip install` of the pair pinned and the core subset's
 dependencies (pip's cache keeps a second run fast); the pair's Keras is installed into
 it before the run (`pip install keras==...`: seconds), so one venv serves every Keras
 on that TensorFlow. The package itself is imported from this checkout (`PYTHONPATH`),
-not installed. KerasHub's core test runs only where the venv has keras-hub.
+not installed. KerasHub's core test runs where a keras-hub release supports the pair
+(`hub_requirements`: Keras 3.15 with TensorFlow 2.20 or newer), in a venv of its own.
 
 `--prepare` only makes the pairs' venvs (`.ci/run` makes them while the full suite runs: pip
 waits on the network and the disk more than on the cores).
@@ -75,15 +76,32 @@ def _pip(python: str, *args: str) -> None:
                    check=True)
 
 
+def hub_requirements(tensorflow: str, keras: str) -> list[str]:
+    """KerasHub's packages for the pair, where a keras-hub release supports it, else `[]`.
+
+    keras-hub 0.32 (the `[hub]` extra) needs Keras 3.15 and a tensorflow-text built for
+    TensorFlow 2.20 or newer (pyproject.toml's table); tensorflow-text pins its TensorFlow minor.
+    """
+    tf_minor = tuple(map(int, tensorflow.split(".")[:2]))
+    if tf_minor < (2, 20) or tuple(map(int, keras.split(".")[:2])) < (3, 15):
+        return []
+    return ["keras-hub>=0.32", f"tensorflow-text~={tf_minor[0]}.{tf_minor[1]}.0"]
+
+
 def venv_for(tensorflow: str, keras: str) -> str:
-    """The venv's python for `tensorflow` with `keras` installed (made on first use)."""
-    folder = os.path.join(VENVS, "tf" + ".".join(tensorflow.split(".")[:2]))
+    """The venv's python for `tensorflow` with `keras` installed (made on first use).
+
+    Pairs with KerasHub get their own venv (`tf2.20-hub/`): keras-hub left beside an older
+    Keras would make the KerasHub test run where no keras-hub supports the pair.
+    """
+    hub = hub_requirements(tensorflow, keras)
+    folder = os.path.join(VENVS, "tf" + ".".join(tensorflow.split(".")[:2]) + ("-hub" if hub else ""))
     python = os.path.join(folder, "bin", "python")
     if not os.path.exists(python):
         subprocess.run([sys.executable, "-m", "venv", folder], check=True)
-        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}", *TEST_DEPENDENCIES)
+        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}", *hub, *TEST_DEPENDENCIES)
     else:
-        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}")  # no-op when installed
+        _pip(python, f"tensorflow=={tensorflow}", f"keras=={keras}", *hub)  # no-op when installed
     return python
 
 
