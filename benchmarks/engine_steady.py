@@ -9,12 +9,18 @@ strategy, ``ReplicatorStrategy()`` (the default, the step traced once) and
 seconds per step of each, the paired speed ratios (the median of the window-by-window ratios of
 windows measured seconds apart) and the load average. Every window is a new epoch over one
 cached dataset, as ``fit`` is called by users.
+
+Two clocks: the whole window divided by its steps (``median_s_per_step``, the ``speed_*``
+ratios), which includes each epoch's start (and Keras's own iterators' stall at some epochs'
+ends, for the model without a strategy); and the median interval between the window's batch ends
+after its first (``steady_s_per_step``, the ``steady_speed_*`` ratios), the steady step alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -49,22 +55,44 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
     for m in models.values():  # warm-up: trace, compile, first steps
         m.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
     times: dict[str, list[float]] = {k: [] for k in models}
+    steady: dict[str, list[float]] = {k: [] for k in models}
     order = list(models)
     for w in range(windows):
         for k in order[w % 3:] + order[:w % 3]:
+            clock = _batch_clock_class()()
             start = time.perf_counter()
-            models[k].fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+            models[k].fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[clock])
             times[k].append((time.perf_counter() - start) / steps)
+            steady[k].append(statistics.median(b - a for a, b in zip(clock.ends[1:], clock.ends[2:])))
 
-    def speed(a: str, b: str) -> float:
-        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b], strict=True))
+    def speed(a: str, b: str, of: dict) -> float:
+        return statistics.median(tb / ta for ta, tb in zip(of[a], of[b], strict=True))
 
     return {"devices": devices, "model": model, "load_average": os.getloadavg(),
             "median_s_per_step": {k: statistics.median(v) for k, v in times.items()},
-            "speed_default_over_per_replica": speed("default", "per_replica"),
-            "speed_default_over_one_device": speed("default", "one"),
-            "speed_per_replica_over_one_device": speed("per_replica", "one"),
-            "windows_s_per_step": times}
+            "speed_default_over_per_replica": speed("default", "per_replica", times),
+            "speed_default_over_one_device": speed("default", "one", times),
+            "speed_per_replica_over_one_device": speed("per_replica", "one", times),
+            "steady_s_per_step": {k: statistics.median(v) for k, v in steady.items()},
+            "steady_speed_default_over_per_replica": speed("default", "per_replica", steady),
+            "steady_speed_default_over_one_device": speed("default", "one", steady),
+            "windows_s_per_step": times, "windows_steady_s_per_step": steady}
+
+
+@functools.cache
+def _batch_clock_class():
+    import keras
+
+    class BatchClock(keras.callbacks.Callback):
+        """The time at the start of `fit` and at each batch's end."""
+
+        def on_train_begin(self, logs=None):
+            self.ends = [time.perf_counter()]
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    return BatchClock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--model", default="cnn", choices=("cnn", "resnet50"))
     parser.add_argument("--windows", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="steps per window (at least 3)")
     args = parser.parse_args(argv)
+    if args.steps < 3 or args.windows < 1:
+        parser.error("--steps must be at least 3 (the steady clock skips each window's first step) and --windows at least 1")
     print(json.dumps(measure(args.devices, args.model, args.windows, args.steps)), flush=True)
     return 0
 

@@ -25,6 +25,9 @@ mean over the N replicas is the average of the replicas' values weighted by
 ``rows / total``: a padding replica (0 rows) contributes nothing, and a replica
 with k of the batch's n rows counts k / n, as its rows would on one device.
 Even slices (weight 1) keep ``v`` itself, bit for bit.
+
+In a step traced once the assignment's all-reduce is deferred to the step's end,
+together with the step's other statistics (`deferred_statistics`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common import variables as keras_variables
 
-from keras_replicator._compat import patching, short_batches
+from keras_replicator._compat import deferred_statistics, patching, short_batches
 from keras_replicator._compat.patching import ScopedPatch, ours
 
 #: Set on the moving statistics this module made mean-aggregated (weighted by rows in padded steps).
@@ -78,13 +81,17 @@ def _row_weighted_assign(original):
     """`KerasVariable.assign`. Why: see the module (a padded step's statistics weighted by rows)."""
 
     def assign(self, value):
-        scale = replica_weight() if getattr(self, _MARK, False) else None
+        if not getattr(self, _MARK, False):
+            return original(self, value)
+        scale = replica_weight()
         if scale is not None:
             old = tf.convert_to_tensor(self.value)
             value = tf.convert_to_tensor(value, dtype=old.dtype)
             scale = tf.cast(scale, old.dtype)
             value = tf.where(tf.equal(scale, 1), value, old + (value - old) * scale)
-        return original(self, value)
+        # In a step traced once, all-reduced with the step's other statistics at its end.
+        with deferred_statistics.deferrable_write():
+            return original(self, value)
 
     return assign
 

@@ -32,7 +32,9 @@ What it patches or reads, checked on TensorFlow 2.21:
   without automatic control dependencies, so that no two calls are chained
   through a resource they share (they wait for each other in collectives);
 * `context.function_call_options` (set while the calls are made): the calls'
-  Grappler settings, see `_replica_call_options`.
+  Grappler settings, see `replica_call_options`;
+* the assignments of mean-aggregated moving statistics, all-reduced together at
+  the step's end (`deferred_statistics`).
 
 A trace whose side effects include some that need no input runs them as the
 inlined step of one device does on an exhausted iterator (`effects_before_fetch`):
@@ -56,16 +58,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.autograph.core import ag_ctx
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python.distribute import device_util, distribute_utils, mirrored_run
 from tensorflow.python.distribute import values as tf_values
-from tensorflow.python.eager import context
 from tensorflow.python.framework import auto_control_deps_utils, ops, tensor_util
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import collective_launcher, effects_before_fetch, replica_invariance
+from keras_replicator._compat import (
+    collective_launcher,
+    deferred_statistics,
+    effects_before_fetch,
+    replica_call_options,
+    replica_invariance,
+)
 from keras_replicator._compat.patching import Patches, ScopedPatch
 from keras_replicator.model_parallel import fsdp
 
@@ -236,6 +242,9 @@ def _same_on_every_replica(value) -> bool:
 
 def _first_replica_without_broadcast(original):
     def apply_aggregation_replica_context(value, aggregation, destinations):
+        deferred = deferred_statistics.take(value, aggregation, destinations)
+        if deferred is not None:
+            return deferred  # the replica's own value now, the mean at the step's end
         if (
             aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA
             or not _in_trace(ops.get_default_graph())
@@ -399,8 +408,12 @@ def _shared_capture(registry: ComponentRegistry, launchers, devices) -> Callable
     return shared
 
 
-def trace_replica_step(extended, fn: Callable, structure, leaves, layout, specs, launchers):
-    """Traces `fn` once, as replica 0, for inputs of `specs`: a `ConcreteFunction`."""
+def trace_replica_step(extended, fn: Callable, structure, leaves, layout, specs, launchers, defer: bool = True):
+    """Traces `fn` once, as replica 0, for inputs of `specs`: a `ConcreteFunction`.
+
+    `defer`: moving statistics all-reduced together at the step's end
+    (`deferred_statistics`); traced again without where that cannot be.
+    """
     strategy = extended._container_strategy()
     devices = extended.worker_devices
     fn = autograph.tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
@@ -412,16 +425,22 @@ def trace_replica_step(extended, fn: Callable, structure, leaves, layout, specs,
         step_args, step_kwargs = _pack_inputs(structure, leaves, layout, inputs)
         with _tracing_scope(graph, devices[0], shared_capture), extended.tracing_once(), OnceReplicaContext(
             strategy, first_id, replica_id, launchers[0]
-        ):
+        ), deferred_statistics.deferring(graph, defer):
             outputs = fn(*step_args, **step_kwargs)
+            deferred_statistics.flush()
         _check_outputs(outputs)
         return outputs
 
     # Not inlined: the caller's graph keeps one call per replica, and each
     # device instantiates (and optimises) one replica's graph.
-    return tf.function(
-        replica_step, autograph=False, experimental_attributes={"_noinline": True}
-    ).get_concrete_function(tf.TensorSpec([], tf.int32), *specs)
+    try:
+        return tf.function(
+            replica_step, autograph=False, experimental_attributes={"_noinline": True}
+        ).get_concrete_function(tf.TensorSpec([], tf.int32), *specs)
+    except deferred_statistics.Undeferrable:
+        if not defer:
+            raise
+        return trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers, defer=False)
 
 
 def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: ComponentRegistry, launchers):
@@ -447,7 +466,7 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     def every_replica():
         graph = ops.get_default_graph()
         outputs, calls = [], []
-        with _replica_call_options(devices):
+        with replica_call_options.grappler_settings(devices):
             for d, device in enumerate(devices):
                 before = len(graph.get_operations())
                 with ops.device(device):
@@ -466,44 +485,6 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     every = tf.function(every_replica, autograph=False, experimental_attributes={"_disable_acd": True})
     outputs = every()
     return distribute_utils.regroup(tuple(outputs))
-
-
-@contextlib.contextmanager
-def _replica_call_options(devices: list[str]) -> Iterator[None]:
-    """Grappler's settings for the replica calls made meanwhile (their `config_proto`).
-
-    Why: Grappler runs each time a device instantiates the replica's function
-    (`PartitionedCallOp` optimises what it instantiates), so once per replica,
-    where a step traced per replica had it run once on the whole graph. Measured
-    on ResNet-50 (4 replicas, TF 2.21): a second round of every pass changed
-    under 2% of the nodes and took 30% of Grappler's time; the memory optimiser
-    (which saves accelerator memory) took 10% more. So, unless the user set them:
-    one round, and no memory optimiser where every device is a CPU. The first
-    call fell from 10.3 s to 8.2 s; the steady step did not change.
-    """
-    ctx = context.context()
-    config = ctx.config
-    rewrite = config.graph_options.rewrite_options
-    changed = False
-    if rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS:
-        rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
-        changed = True
-    on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
-    if on_cpus and rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
-        rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-        changed = True
-    if not changed:
-        yield
-        return
-    if ctx._soft_device_placement is None:
-        config.allow_soft_placement = True  # as TensorFlow's own call options
-    saved = ctx._thread_local_data.function_call_options
-    ctx.function_call_options = context.FunctionCallOptions(
-        executor_type=ctx.function_call_options.executor_type, config_proto=config)
-    try:
-        yield
-    finally:
-        ctx._thread_local_data.function_call_options = saved
 
 
 _logged: set[str] = set()
