@@ -73,6 +73,23 @@ def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float
     return sum(per_pass.values()), dict(per_pass), dict(per_item)
 
 
+def _traced_function(function):
+    """The `tf.function` inside Keras's train function.
+
+    Keras 3.15 wraps its tf.function (multi_step_on_iterator) in a plain function, and
+    ours wraps that again (`_compat.exhausted_step`): the closures are searched, nearest first.
+    """
+    frontier = [function]
+    for _ in range(4):
+        cells = [c.cell_contents for f in frontier for c in (getattr(f, "__closure__", None) or ())
+                 if callable(c.cell_contents)]
+        found = next((c for c in cells if hasattr(c, "get_concrete_function")), None)
+        if found is not None:
+            return found
+        frontier = cells
+    raise RuntimeError(f"no tf.function found inside the train function {function!r}")
+
+
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """In the worker process: one model, one strategy, ``fit`` for 2 steps, timed by phase."""
     from benchmarks.devices import build_in_scope, device_names, make_strategy, setup_devices
@@ -105,9 +122,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     def make_train_function(force=False):
         make(force)
         function = model.train_function
-        # Keras 3.15 wraps its tf.function (multi_step_on_iterator) in a plain function.
-        traced = next(cell.cell_contents for cell in function.__closure__ or ()
-                      if hasattr(cell.cell_contents, "get_concrete_function"))
+        traced = _traced_function(function)
 
         def timed(iterator):
             if "trace" not in marks:
