@@ -40,6 +40,15 @@ def mean_of_local_means(slices):
     return np.mean([s.astype(np.float64).mean(0) for s in slices], axis=0)
 
 
+def batch_norms(strategy, count: int) -> list:
+    """``count`` plain BatchNormalization layers (momentum 0.5) built under ``strategy``."""
+    with strategy.scope():
+        layers = [keras.layers.BatchNormalization(momentum=0.5) for _ in range(count)]
+        for layer in layers:
+            layer.build((None, 3))
+    return layers
+
+
 def collectives_in(concrete) -> int:
     """The all-reduces of a traced step and of every function it calls."""
     graph_def = concrete.graph.as_graph_def()
@@ -49,10 +58,7 @@ def collectives_in(concrete) -> int:
 
 @pytest.mark.core
 def test_three_layers_statistics_take_one_collective_and_match_per_replica(strategy):
-    with strategy.scope():
-        layers = [keras.layers.BatchNormalization(momentum=0.5) for _ in range(3)]
-        for layer in layers:
-            layer.build((None, 3))
+    layers = batch_norms(strategy, 3)
     first, second = shifted_slices(1), shifted_slices(2)
 
     @tf.function
@@ -76,9 +82,7 @@ def test_three_layers_statistics_take_one_collective_and_match_per_replica(strat
 
 
 def test_a_statistic_read_after_its_update_in_the_step_reads_the_mean(strategy):
-    with strategy.scope():
-        layer = keras.layers.BatchNormalization(momentum=0.5)
-        layer.build((None, 3))
+    (layer,) = batch_norms(strategy, 1)
     first, second = shifted_slices(3), shifted_slices(4)
 
     @tf.function
@@ -100,9 +104,7 @@ def test_a_statistic_read_after_its_update_in_the_step_reads_the_mean(strategy):
 
 
 def test_a_read_inside_a_branch_after_the_update_reads_the_mean(strategy):
-    with strategy.scope():
-        layer = keras.layers.BatchNormalization(momentum=0.5)
-        layer.build((None, 3))
+    (layer,) = batch_norms(strategy, 1)
     data = shifted_slices(5)
 
     @tf.function
@@ -126,11 +128,7 @@ def test_an_update_inside_a_branch_all_reduces_there():
     # Traced once only: a step traced per replica cannot update a mean-aggregated
     # variable inside a branch (TensorFlow's merge_call in control flow).
     strategy = kr.ReplicatorStrategy()
-    with strategy.scope():
-        inner = keras.layers.BatchNormalization(momentum=0.5)
-        outer = keras.layers.BatchNormalization(momentum=0.5)
-        for layer in (inner, outer):
-            layer.build((None, 3))
+    inner, outer = batch_norms(strategy, 2)
     data = shifted_slices(6)
 
     @tf.function

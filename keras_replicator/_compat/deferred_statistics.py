@@ -80,14 +80,13 @@ def flush() -> None:
     pending = getattr(_state, "pending", None)
     if not pending:
         return
-    writes = list(pending.values())
+    groups: dict = {}  # aggregation -> [(copy, value)]
+    for copy, value, aggregation in pending.values():
+        groups.setdefault(aggregation, []).append((copy, value))
     pending.clear()
     ctx = tf.distribute.get_replica_context()
-    for aggregation in (tf.VariableAggregation.MEAN, tf.VariableAggregation.SUM):
-        group = [(copy, value) for copy, value, agg in writes if agg == aggregation]
-        if not group:
-            continue
-        op = tf.distribute.ReduceOp.MEAN if aggregation == tf.VariableAggregation.MEAN else tf.distribute.ReduceOp.SUM
+    for aggregation, group in groups.items():
+        op = tf.distribute.ReduceOp.from_variable_aggregation(aggregation)
         reduced = ctx.all_reduce(op, [value for _, value in group])
         for (copy, _), result in zip(group, reduced):
             copy.assign(tf.cast(result, copy.dtype), read_value=False)
