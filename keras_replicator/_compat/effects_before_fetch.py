@@ -167,16 +167,25 @@ def replica_calls(traced, replicas: list[tuple[str, int, list]], inputs: list[li
     docstring), the whole step, its input-free effects recorded for Keras's
     train function (`exhausted_step.record`).
     """
+    calls = split_calls(traced, replicas, inputs, stays)
+    return calls if calls is not None else [call_whole(traced)] * len(replicas)
+
+
+def split_calls(traced, replicas: list[tuple[str, int, list]], inputs: list[list],
+                stays: Callable[[tf.Tensor], bool]) -> list[Callable] | None:
+    """As `replica_calls`, or None where the step runs whole (its input-free
+    effects then recorded for Keras's train function)."""
     # What both modules reproduce: one device's inlined step on an exhausted iterator.
     exhausted_step.NON_STRICT_INLINING.verify("keras_replicator._compat.effects_before_fetch")
     calls = _calls_after_effects(traced, replicas, inputs, stays)
     if calls is None:
         exhausted_step.record(traced, replicas, stays)
-        calls = [_call_whole(traced)] * len(replicas)
     return calls
 
 
-def _call_whole(traced) -> Callable:
+def call_whole(traced) -> Callable:
+    """The call of the whole step: `(replica_id, inputs, captures) -> outputs`."""
+
     def call(replica_id, inputs: list, captures: list):
         return traced._call_flat([replica_id, *inputs], captures)
 

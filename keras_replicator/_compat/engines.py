@@ -37,6 +37,7 @@ state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 
@@ -49,7 +50,7 @@ from tensorflow.python.distribute import (
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 
 from keras_replicator import cluster
-from keras_replicator._compat import coordination, replica_trace
+from keras_replicator._compat import coordination, reduce_between_calls, replica_trace
 from keras_replicator._compat.collective_launcher import make_control_flow_safe
 from keras_replicator._validation import ArgumentError, check_int
 from keras_replicator.errors import ClusterStartupError, WorkerLostError
@@ -94,6 +95,25 @@ class _TraceOnce:
         if not self.trace_once or len(self.worker_devices) < 2 or self.devices_per_replica > 1:
             return None
         return self._kr_collectives()
+
+    def between_calls_reduction(self):
+        """The cross-device ops that reduce a step traced once between its calls
+        (`reduce_between_calls`), or None where its collectives do: several
+        workers, devices other than CPUs, or a collective chosen."""
+        if self.num_workers > 1 or not self.trace_once:
+            return None
+        if any((tf.DeviceSpec.from_string(d).device_type or "").upper() != "CPU" for d in self.worker_devices):
+            return None
+        ops_obj = getattr(self, "_cross_device_ops", None)
+        if ops_obj is None or isinstance(ops_obj, tf_cross_device_ops.CollectiveAllReduce):
+            return None
+        return ops_obj
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        reduce = functools.partial(super()._replica_ctx_all_reduce, reduce_op, value, options)
+        if not self.is_tracing_once:
+            return reduce()
+        return reduce_between_calls.all_reduce(reduce, reduce_op, value)
 
     @property
     def is_tracing_once(self) -> bool:

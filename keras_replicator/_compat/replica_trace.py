@@ -69,6 +69,7 @@ from keras_replicator._compat import (
     collective_launcher,
     deferred_statistics,
     effects_before_fetch,
+    reduce_between_calls,
     replica_call_options,
     replica_invariance,
 )
@@ -420,27 +421,34 @@ def trace_replica_step(extended, fn: Callable, structure, leaves, layout, specs,
     first_id = extended._get_replica_id_in_sync_group(0)
     shared_capture = _shared_capture(extended._kr_components, launchers, devices)
 
+    between_calls = extended.between_calls_reduction() is not None
+    cuts: list = []
+
     def replica_step(replica_id, *inputs):
         graph = ops.get_default_graph()
         step_args, step_kwargs = _pack_inputs(structure, leaves, layout, inputs)
         with _tracing_scope(graph, devices[0], shared_capture), extended.tracing_once(), OnceReplicaContext(
             strategy, first_id, replica_id, launchers[0]
-        ), deferred_statistics.deferring(graph, defer):
+        ), deferred_statistics.deferring(graph, defer), reduce_between_calls.recording(
+            graph, between_calls) as recorded:
             outputs = fn(*step_args, **step_kwargs)
             deferred_statistics.flush()
+            cuts[:] = recorded
         _check_outputs(outputs)
         return outputs
 
     # Not inlined: the caller's graph keeps one call per replica, and each
     # device instantiates (and optimises) one replica's graph.
     try:
-        return tf.function(
+        traced = tf.function(
             replica_step, autograph=False, experimental_attributes={"_noinline": True}
         ).get_concrete_function(tf.TensorSpec([], tf.int32), *specs)
     except deferred_statistics.Undeferrable:
         if not defer:
             raise
         return trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers, defer=False)
+    traced._kr_cuts = cuts  # its all-reduces to reduce between calls (reduce_between_calls)
+    return traced
 
 
 def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: ComponentRegistry, launchers):
@@ -451,15 +459,20 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     swaps = _launcher_swaps(launchers)
     call_for: list = [None] * n  # each replica's call of its trace: (inputs, captures) -> outputs
     replica_ids = [extended._get_replica_id_in_sync_group(d) for d in range(n)]
-    for signature, members in _shape_groups(tensors).items():
+    groups = _shape_groups(tensors)
+    staged = None  # the one trace in stages, its all-reduces between the calls
+    for signature, members in groups.items():
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in signature]
         traced = trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers)
         captures = _per_replica_captures(list(traced.captured_inputs), n, registry, swaps)
         _refuse_shared_writes(traced, captures)
         # What needs no input runs as one device's inlined step runs it on an exhausted iterator.
-        calls = effects_before_fetch.replica_calls(
+        calls = effects_before_fetch.split_calls(
             traced, [(devices[d], replica_ids[d], captures[d]) for d in members], [tensors[d] for d in members],
             lambda capture: id(capture) in swaps or registry.on_read(capture))
+        if calls is None and len(groups) == 1:
+            staged = reduce_between_calls.split(traced, traced._kr_cuts)
+        calls = calls or [effects_before_fetch.call_whole(traced)] * len(members)
         for d, call in zip(members, calls):
             call_for[d] = functools.partial(call, captures=captures[d])
 
@@ -467,14 +480,21 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
         graph = ops.get_default_graph()
         outputs, calls = [], []
         with replica_call_options.grappler_settings(devices):
+            rids = []
             for d, device in enumerate(devices):
-                before = len(graph.get_operations())
                 with ops.device(device):
                     # Not a Const: Grappler would specialise the function per
                     # replica id, one copy per replica again.
-                    rid = tf.raw_ops.PlaceholderWithDefault(
-                        input=tf.constant(replica_ids[d], tf.int32), shape=[])
-                    outputs.append(call_for[d](rid, tensors[d]))
+                    rids.append(tf.raw_ops.PlaceholderWithDefault(
+                        input=tf.constant(replica_ids[d], tf.int32), shape=[]))
+            if staged is not None:
+                outputs = reduce_between_calls.call_stages(
+                    staged, [(devices[d], rids[d], [*tensors[d], *captures[d]]) for d in range(n)],
+                    reduce_between_calls.reducer(extended.between_calls_reduction(), devices), calls)
+            for d, device in enumerate(devices if staged is None else ()):
+                before = len(graph.get_operations())
+                with ops.device(device):
+                    outputs.append(call_for[d](rids[d], tensors[d]))
                 calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
