@@ -34,7 +34,7 @@ What it reads, checked on TensorFlow 2.21: a `ConcreteFunction`'s `graph`
 (`inputs`, `control_outputs`, `structured_outputs`, ops' `inputs` and
 `control_inputs`), `captured_inputs`, `_call_flat`; `FuncGraph.captures`;
 `Operation._add_control_inputs`, the `_noinline` function attribute; the helpers of `exhausted_step`
-(`Graph._functions`, `create_op`, `handle_data_util`).
+(`Graph._functions`, `_create_op_internal`, `handle_data_util`).
 """
 
 from __future__ import annotations
