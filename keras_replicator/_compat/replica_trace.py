@@ -491,11 +491,12 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
                 outputs = reduce_between_calls.call_stages(
                     staged, [(devices[d], rids[d], [*tensors[d], *captures[d]]) for d in range(n)],
                     reduce_between_calls.reducer(extended.between_calls_reduction(), devices), calls)
-            for d, device in enumerate(devices if staged is None else ()):
-                before = len(graph.get_operations())
-                with ops.device(device):
-                    outputs.append(call_for[d](rids[d], tensors[d]))
-                calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
+            else:
+                for d, device in enumerate(devices):
+                    before = len(graph.get_operations())
+                    with ops.device(device):
+                        outputs.append(call_for[d](rids[d], tensors[d]))
+                    calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
         # that none is pruned when its outputs are unused, and none waits for another.
