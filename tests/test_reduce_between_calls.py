@@ -49,13 +49,13 @@ def regression(strategy, features: int = 256, width: int = 1024, optimizer: str 
 
 @pytest.fixture
 def splits(monkeypatch):
-    """Each split the engine made, as (cuts, staged)."""
+    """Each split the engine made, as (cuts, staged, its stages optimised by Grappler once)."""
     made = []
     original = reduce_between_calls.split
 
-    def split(traced, cuts):
-        staged = original(traced, cuts)
-        made.append((len(cuts), staged is not None))
+    def split(traced, cuts, *args):
+        staged = original(traced, cuts, *args)
+        made.append((len(cuts), staged is not None, staged is not None and staged.optimized_once))
         return staged
 
     monkeypatch.setattr(reduce_between_calls, "split", split)
@@ -74,7 +74,7 @@ def fit_weights(strategy, steps: int = 3):
 def test_fit_with_a_gradient_over_the_threshold_reduces_it_between_the_calls_as_per_replica(splits):
     staged, staged_history = fit_weights(kr.ReplicatorStrategy())
     # One cut (the gradients; the BN statistics are far below the threshold), staged.
-    assert splits == [(1, True)]
+    assert splits == [(1, True, True)]
     reference, reference_history = fit_weights(kr.ReplicatorStrategy(trace_once=False))
     for a, b in zip(staged.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -126,7 +126,7 @@ def _run_custom(strategy, optimizers: int):
 @pytest.mark.core
 def test_a_custom_step_with_two_optimizers_is_cut_twice_and_matches_per_replica(splits):
     weights, losses, concretes, opts = _run_custom(kr.ReplicatorStrategy(), 2)
-    assert splits and all(s == (2, True) for s in splits), splits
+    assert splits and all(s == (2, True, True) for s in splits), splits
     reference, reference_losses, _, reference_opts = _run_custom(kr.ReplicatorStrategy(trace_once=False), 2)
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -144,7 +144,7 @@ def test_below_the_threshold_the_step_keeps_its_collective(splits, monkeypatch):
     monkeypatch.setattr(reduce_between_calls, "MIN_BYTES", 2**30)
     weights, _, concretes, _ = _run_custom(kr.ReplicatorStrategy(), 1)
     reference, _, _, _ = _run_custom(kr.ReplicatorStrategy(trace_once=False), 1)
-    assert all(cuts == 0 for cuts, _ in splits)
+    assert all(cuts == 0 for cuts, _, _ in splits)
     for concrete in concretes:
         assert collectives_in(concrete) >= 1 and calls_in(concrete) == REPLICAS
     for a, b in zip(weights, reference):
@@ -164,7 +164,7 @@ def test_a_mean_all_reduce_of_a_large_tensor_is_cut_and_every_replica_gets_the_m
         return strategy.run(replica_step)
 
     results = strategy.experimental_local_results(step())
-    assert splits == [(1, True)]
+    assert splits == [(1, True, True)]
     for result in results:
         np.testing.assert_array_equal(result.numpy(), np.full([size], np.mean(range(REPLICAS)), np.float32))
     assert collectives_in(step.get_concrete_function()) == 0

@@ -198,13 +198,15 @@ def _replica_function_and_calls(concrete):
     graph_def = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
     calls = [node for f in [*library.values(), graph_def] for node in getattr(f, "node_def", None) or f.node
-             if node.op.endswith("PartitionedCall") and "replica_step" in node.attr["f"].func.name]
+             if node.op.endswith("PartitionedCall")
+             and any(name in node.attr["f"].func.name for name in ("replica_step", "optimized_step"))]
     names = sorted({call.attr["f"].func.name for call in calls})
     return [node for name in names for node in library[name].node_def], calls
 
 
 def test_each_replica_call_is_optimised_in_one_round_with_the_users_grappler_options():
-    # Grappler runs once per replica call: one round of its passes (and no memory
+    # The replica calls' Grappler settings (those of `grappler_once`'s one run, and of
+    # each call where it does not apply): one round of its passes (and no memory
     # optimiser on CPUs) unless the user chose otherwise; every option the user set
     # reaches the calls. A lone all-reduce is one collective with no packing around it.
     strategy = kr.ReplicatorStrategy()

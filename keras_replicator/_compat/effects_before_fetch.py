@@ -201,14 +201,11 @@ def _calls_after_effects(traced, replicas: list, inputs: list[list], stays) -> l
     split = split_step(traced, stays)
     if split is None:
         return None
-    graph = ops.get_default_graph()
     from_first, first_calls = [], []
     for device, replica_id, captures in replicas:
-        before = len(graph.get_operations())
-        with ops.device(device):
+        with ops.device(device), exhausted_step.calls_made(first_calls):
             rid = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(replica_id, tf.int32), shape=[])
             from_first.append(nest.flatten(split.first._call_flat([rid, *captures], [])))
-        first_calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
     for fetch in fetches:
         fetch._add_control_inputs(first_calls)
 

@@ -42,9 +42,10 @@ functions the step calls), `Graph._create_op_internal` (`create_op` without its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -114,6 +115,21 @@ def copy_ops(source_ops: list, op_map: dict) -> None:
         for old, new in zip(op.outputs, copied.outputs):
             op_map[old] = new
             copy_handle(old, new)
+
+
+@contextlib.contextmanager
+def calls_made(into: list) -> Iterator[list]:
+    """Appends to `into` the function calls (`PartitionedCall` ops) the default graph gains meanwhile."""
+    graph = ops.get_default_graph()
+    before = len(graph.get_operations())
+    yield into
+    into.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
+
+
+def compiled_by_xla(graph) -> bool:
+    """Whether `graph` calls a function compiled by XLA (`jit_compile=True`)."""
+    return any(op.type.endswith("PartitionedCall") and "_XlaMustCompile" in op.node_def.attr
+               for op in graph.get_operations())
 
 
 def copy_handle(old: tf.Tensor, new: tf.Tensor) -> None:

@@ -127,6 +127,7 @@ class Stages:
     cuts: list
     arguments: list  # the trace's inputs: replica id, inputs, captures
     structured_outputs: object  # the trace's
+    optimized_once: bool = False  # the functions optimised by Grappler already (`grappler_once`)
 
 
 def _stage_ops(graph, cuts: list, arguments: set) -> list[list] | None:
@@ -177,19 +178,18 @@ def _topological(stage: set) -> list:
     return order
 
 
-def _compiled_by_xla(graph) -> bool:
-    # A jit_compile function in the step: its errors are reported as one device's
-    # step reports them (`keras_xla`), which the stages' calls would change.
-    return any(op.type.endswith("PartitionedCall") and "_XlaMustCompile" in op.node_def.attr
-               for op in graph.get_operations())
+def split(traced, cuts: list, optimized_stages: Callable | None = None) -> Stages | None:
+    """`traced` (replica_id, *inputs, *captures) in stages at `cuts`, or None if it cannot be.
 
-
-def split(traced, cuts: list) -> Stages | None:
-    """`traced` (replica_id, *inputs, *captures) in stages at `cuts`, or None if it cannot be."""
+    `optimized_stages(graph, stage_ops, feeds, exports)`: the stages' functions
+    optimised once (`grappler_once.optimized_stages`), or None to copy them here.
+    """
     if not cuts:
         return None
     graph = traced.graph
-    if _compiled_by_xla(graph):
+    if exhausted_step.compiled_by_xla(graph):
+        # A jit_compile function in the step: its errors are reported as one device's
+        # step reports them (`keras_xla`), which the stages' calls would change.
         return None
     arguments = list(graph.inputs)
     stage_ops = _stage_ops(graph, cuts, {t.op for t in arguments})
@@ -227,9 +227,13 @@ def split(traced, cuts: list) -> Stages | None:
             exports[source][t] = True
     imports = [list(d) for d in imports]
     exports = [list(d) for d in exports]
-    functions = [_stage_function(graph, arguments, stage_ops[i], imports[i], exports[i])
-                 for i in range(len(stage_ops))]
-    return Stages(functions, imports, exports, cuts, arguments, graph.structured_outputs)
+    feeds = [[*arguments, *stage_imports] for stage_imports in imports]
+    functions = optimized_stages(graph, stage_ops, feeds, exports) if optimized_stages else None
+    optimized_once = functions is not None
+    if functions is None:
+        functions = [_stage_function(graph, arguments, stage_ops[i], imports[i], exports[i])
+                     for i in range(len(stage_ops))]
+    return Stages(functions, imports, exports, cuts, arguments, graph.structured_outputs, optimized_once)
 
 
 def _stage_function(graph, arguments: list, stage: list, imports: list, exports: list):
@@ -265,16 +269,14 @@ def call_stages(stages: Stages, replicas: list, reduce_batch: Callable, calls: l
     for d, (_, rid, args) in enumerate(replicas):
         for old, new in zip(stages.arguments, [rid, *args]):
             known[d][old] = new
-    graph = ops.get_default_graph()
     previous: list[list] = [[] for _ in range(n)]
     for i, function in enumerate(stages.functions):
         for d, (device, _, _) in enumerate(replicas):
             feed = [known[d][t] for t in [*stages.arguments, *stages.imports[i]]]
-            before = len(graph.get_operations())
-            with ops.device(device), ops.control_dependencies(previous[d]):
+            with ops.device(device), ops.control_dependencies(previous[d]), exhausted_step.calls_made([]) as made:
                 results = function._call_flat(feed, []) or []
-            previous[d] = [op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall")]
-            calls.extend(previous[d])
+            previous[d] = made
+            calls.extend(made)
             for old, new in zip(stages.exports[i], nest.flatten(results)):
                 known[d][old] = new
         if i < len(stages.cuts):

@@ -32,7 +32,7 @@ What it patches or reads, checked on TensorFlow 2.21:
   without automatic control dependencies, so that no two calls are chained
   through a resource they share (they wait for each other in collectives);
 * `context.function_call_options` (set while the calls are made): the calls'
-  Grappler settings, see `replica_call_options`;
+  Grappler settings (`replica_call_options`; once for all on CPUs, `grappler_once`);
 * the assignments of mean-aggregated moving statistics, all-reduced together at
   the step's end (`deferred_statistics`).
 
@@ -69,6 +69,8 @@ from keras_replicator._compat import (
     collective_launcher,
     deferred_statistics,
     effects_before_fetch,
+    exhausted_step,
+    grappler_once,
     reduce_between_calls,
     replica_call_options,
     replica_invariance,
@@ -461,6 +463,9 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
     replica_ids = [extended._get_replica_id_in_sync_group(d) for d in range(n)]
     groups = _shape_groups(tensors)
     staged = None  # the one trace in stages, its all-reduces between the calls
+    config, _ = replica_call_options.call_config(devices)
+    once_stages = functools.partial(grappler_once.optimized_stages, devices=devices, config=config)
+    once = True  # every call's function optimised by Grappler once for all (grappler_once)
     for signature, members in groups.items():
         specs = [tf.TensorSpec(shape, dtype) for shape, dtype in signature]
         traced = trace_replica_step(extended, fn, structure, leaves, layout, specs, launchers)
@@ -471,20 +476,21 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
             traced, [(devices[d], replica_ids[d], captures[d]) for d in members], [tensors[d] for d in members],
             lambda capture: id(capture) in swaps or registry.on_read(capture))
         if calls is None and len(groups) == 1:
-            staged = reduce_between_calls.split(traced, traced._kr_cuts)
-        calls = calls or [effects_before_fetch.call_whole(traced)] * len(members)
+            staged = reduce_between_calls.split(traced, traced._kr_cuts, once_stages)
+        whole = None if calls or staged else grappler_once.whole_call(traced, devices, config)
+        once = once and (staged.optimized_once if staged else whole is not None)
+        calls = calls or [whole or effects_before_fetch.call_whole(traced)] * len(members)
         for d, call in zip(members, calls):
             call_for[d] = functools.partial(call, captures=captures[d])
 
     def every_replica():
         graph = ops.get_default_graph()
         outputs, calls = [], []
-        with replica_call_options.grappler_settings(devices):
+        with replica_call_options.grappler_settings(devices, optimized_once=once):
             rids = []
             for d, device in enumerate(devices):
                 with ops.device(device):
-                    # Not a Const: Grappler would specialise the function per
-                    # replica id, one copy per replica again.
+                    # Not a Const: Grappler would specialise the function per replica id.
                     rids.append(tf.raw_ops.PlaceholderWithDefault(
                         input=tf.constant(replica_ids[d], tf.int32), shape=[]))
             if staged is not None:
@@ -493,10 +499,8 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
                     reduce_between_calls.reducer(extended.between_calls_reduction(), devices), calls)
             else:
                 for d, device in enumerate(devices):
-                    before = len(graph.get_operations())
-                    with ops.device(device):
+                    with ops.device(device), exhausted_step.calls_made(calls):
                         outputs.append(call_for[d](rids[d], tensors[d]))
-                    calls.extend(op for op in graph.get_operations()[before:] if op.type.endswith("PartitionedCall"))
         # No automatic control dependencies here (they would order no two calls
         # only if they shared no resource): every call is a control output, so
         # that none is pruned when its outputs are unused, and none waits for another.

@@ -1,0 +1,142 @@
+"""Grappler run once for the replica calls of a step traced once (`grappler_once`).
+
+The properties: the function every device calls is optimised once, offline (its
+body holds Grappler's CPU rewrites, here the fused convolution), and the calls
+are made with the meta optimizer off, so that no device optimises it again
+(TensorFlow's own log of Grappler's items, in a fresh interpreter); the user's
+Grappler settings reach that one run; a user who turned Grappler off gets no
+run at all; and the step's results equal the step traced per replica.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+
+import keras_replicator as kr
+from tests.helpers import conv_model, run_python
+
+REPLICAS = 4
+
+
+def _step(strategy):
+    with strategy.scope():
+        model = conv_model(seed=3)
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x)
+                loss = tf.reduce_sum(
+                    keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)) / 16
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica_step, args=(x, y))
+
+    return model, step
+
+
+def _train(strategy, steps: int = 3):
+    model, step = _step(strategy)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * steps, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 4, 16 * steps)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    batches = list(dataset)
+    for xb, yb in batches:
+        step(xb, yb)
+    return model, step.get_concrete_function(*batches[0])
+
+
+def _replica_calls(concrete):
+    """Each call of a function not to inline (the replica step's): (its config_proto, its function's ops)."""
+    graph_def = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    calls = []
+    for node in nodes:
+        called = library.get(node.attr["f"].func.name) if node.op.endswith("PartitionedCall") else None
+        if called is not None and "_noinline" in called.attr:
+            config = config_pb2.ConfigProto.FromString(node.attr["config_proto"].s)
+            calls.append((config, {n.op for n in called.node_def}, called.signature.name))
+    return calls
+
+
+@pytest.fixture
+def grappler_options():
+    """Sets TensorFlow's Grappler options for one test; restores each to its effect by default."""
+    defaults = {"remapping": True, "disable_meta_optimizer": False}
+    set_here = []
+
+    def set_options(options: dict):
+        set_here.extend(options)
+        tf.config.optimizer.set_experimental_options(options)
+
+    yield set_options
+    tf.config.optimizer.set_experimental_options({name: defaults[name] for name in set_here})
+
+
+@pytest.mark.core
+def test_the_replica_function_is_optimised_once_and_its_calls_not_again():
+    model, concrete = _train(kr.ReplicatorStrategy())
+    calls = _replica_calls(concrete)
+    assert len(calls) == REPLICAS
+    assert len({name for _, _, name in calls}) == 1  # one function, called on every device
+    for config, body_ops, _ in calls:
+        assert config.graph_options.rewrite_options.disable_meta_optimizer
+        assert "_FusedConv2D" in body_ops  # Grappler's CPU remapper ran on it, once
+    reference, _ = _train(kr.ReplicatorStrategy(trace_once=False))
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    kr.testing.assert_replicas_identical(model)
+
+
+def test_the_users_grappler_options_reach_the_one_run(grappler_options):
+    grappler_options({"remapping": False})
+    _, concrete = _train(kr.ReplicatorStrategy(), steps=1)
+    calls = _replica_calls(concrete)
+    assert len(calls) == REPLICAS
+    for config, body_ops, _ in calls:
+        assert config.graph_options.rewrite_options.disable_meta_optimizer
+        assert "_FusedConv2D" not in body_ops and "Conv2D" in body_ops
+
+
+def test_with_grappler_turned_off_by_the_user_nothing_is_optimised(grappler_options):
+    grappler_options({"disable_meta_optimizer": True})
+    model, concrete = _train(kr.ReplicatorStrategy(), steps=2)
+    for config, body_ops, _ in _replica_calls(concrete):
+        assert config.graph_options.rewrite_options.disable_meta_optimizer
+        assert "_FusedConv2D" not in body_ops
+    kr.testing.assert_replicas_identical(model)
+
+
+_ITEM = re.compile(r"Starting optimization for grappler item: (\S+)")
+
+
+def test_no_device_runs_grappler_on_the_replica_function():
+    # TensorFlow's log of Grappler's items: before, one item per device for the
+    # replica function (`replica_step`, or each stage's `stage_fn`).
+    code = """
+        import keras, numpy as np
+        from tests.helpers import conv_model
+        with kr.ReplicatorStrategy().scope():
+            model = conv_model(seed=3)
+            model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        model.fit(rng.normal(size=(32, 8, 8, 3)).astype("float32"), rng.integers(0, 4, 32), batch_size=16, verbose=0)
+        print("FIT_DONE")
+    """
+    done = run_python(code, devices=REPLICAS, timeout=240,
+                      env={"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "meta_optimizer=1"})
+    assert "FIT_DONE" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    items = _ITEM.findall(done.stderr)
+    assert "graph_to_optimize" in items, items  # the one offline run
+    per_device = [name for name in items if "replica_step" in name or "stage_fn" in name or "optimized_step" in name]
+    assert per_device == [], items
