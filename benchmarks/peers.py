@@ -198,7 +198,7 @@ def write(result: dict, output_dir: str) -> tuple[str, str]:
         json.dump(result, f, indent=1)
     s = result["settings"]
     loads = [r["load_average"] for r in result["records"] if "load_average" in r]
-    header = (f"# Peers: ours, stock MirroredStrategy, Keras on JAX\n\n"
+    header = (f"Ours, stock `MirroredStrategy` and Keras on JAX on the same simulated CPU devices: "
               f"{s['rounds']} round(s), sizes `{s['size']}`, each run a fresh process: `fit` for "
               f"{s['warmup_epochs']} warm-up epoch then {s['epochs']} timed; medians over the rounds. "
               f"Load average (1 min) at the runs' starts: {min(loads, default=0):.1f}-"
