@@ -45,7 +45,7 @@ from tensorflow.python.grappler import cluster as grappler_cluster
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.util import nest
 
-from keras_replicator._compat import exhausted_step
+from keras_replicator._compat import exhausted_step, replica_call_options
 
 _log = logging.getLogger("keras_replicator")
 _failed: set[str] = set()
@@ -55,7 +55,7 @@ def applies(devices: list[str], config: config_pb2.ConfigProto) -> bool:
     """Whether the calls on `devices` optimised with `config` can share one run of Grappler."""
     if len(devices) < 2 or config.graph_options.rewrite_options.disable_meta_optimizer:
         return False
-    return all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
+    return replica_call_options.on_cpus(devices)
 
 
 def optimized(function, devices: list[str], config: config_pb2.ConfigProto):

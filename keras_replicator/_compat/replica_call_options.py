@@ -17,6 +17,11 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
 
+def on_cpus(devices: list[str]) -> bool:
+    """Whether every one of `devices` is a CPU."""
+    return all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
+
+
 def call_config(devices: list[str]) -> tuple[config_pb2.ConfigProto, bool]:
     """The `config_proto` of the replica calls on `devices`, and whether it differs from the context's.
 
@@ -37,8 +42,7 @@ def call_config(devices: list[str]) -> tuple[config_pb2.ConfigProto, bool]:
     if rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS:
         rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
         changed = True
-    on_cpus = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
-    if on_cpus and rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
+    if on_cpus(devices) and rewrite.memory_optimization == rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
         rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
         changed = True
     return config, changed
