@@ -1,6 +1,6 @@
 """The default engine's steady step against ``trace_once=False`` and one device, paired in one process.
 
-``python -m benchmarks.engine_steady [--devices 4] [--model cnn] [--windows 9] [--steps 4]``
+``python -m benchmarks.engine_steady [--devices 4] [--model cnn] [--windows 9] [--steps 4] [--output-dir DIR]``
 
 Three models live in one process on ``--devices`` simulated CPU devices and take turns, one
 ``fit`` window of ``--steps`` steps at a time, their order rotating: one device without a
@@ -8,7 +8,9 @@ strategy, ``ReplicatorStrategy()`` (the default, the step traced once) and
 ``ReplicatorStrategy(trace_once=False)`` (traced per replica). Prints one JSON line: the median
 seconds per step of each, the paired speed ratios (the median of the window-by-window ratios of
 windows measured seconds apart) and the load average. Every window is a new epoch over one
-cached dataset, as ``fit`` is called by users.
+cached dataset, as ``fit`` is called by users. With ``--output-dir`` (``benchmarks/results`` for
+the docs), the line also replaces its (model, devices) row in ``engine_steady.json`` there, and
+``engine_steady.md`` is written again from all the rows.
 
 Two clocks: the whole window divided by its steps (``median_s_per_step``, the ``speed_*``
 ratios), which includes each epoch's start (and Keras's own iterators' stall at some epochs'
@@ -68,7 +70,7 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
     def speed(a: str, b: str, of: dict) -> float:
         return statistics.median(tb / ta for ta, tb in zip(of[a], of[b], strict=True))
 
-    return {"devices": devices, "model": model, "load_average": os.getloadavg(),
+    return {"devices": devices, "model": model, "steps": steps, "load_average": os.getloadavg(),
             "median_s_per_step": {k: statistics.median(v) for k, v in times.items()},
             "speed_default_over_per_replica": speed("default", "per_replica", times),
             "speed_default_over_one_device": speed("default", "one", times),
@@ -95,16 +97,67 @@ def _batch_clock_class():
     return BatchClock
 
 
+def record(result: dict, output_dir: str) -> tuple[str, str]:
+    """Put ``result`` in ``output_dir``'s ``engine_steady.json`` (replacing its model's and device
+    count's row) and write ``engine_steady.md`` from all the rows; the two paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    json_path = os.path.join(output_dir, "engine_steady.json")
+    md_path = os.path.join(output_dir, "engine_steady.md")
+    rows = []
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            rows = json.load(f)["rows"]
+    key = (result["model"], result["devices"])
+    rows = [r for r in rows if (r["model"], r["devices"]) != key]
+    rows.append(dict(result, written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
+    rows.sort(key=lambda r: (r["model"], r["devices"]))
+    with open(json_path, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    with open(md_path, "w") as f:
+        f.write(table(rows))
+    return json_path, md_path
+
+
+def table(rows: list[dict]) -> str:
+    """The Markdown table of ``engine_steady.json``'s rows."""
+    head = ("| model | devices | windows x steps | steady s/step: one device | default | `trace_once=False` "
+            "| default / `trace_once=False` | default / one device | `trace_once=False` / one device "
+            "| whole windows: default / `trace_once=False` | load average (1, 5, 15 min) at the end | written |")
+    lines = ["Steady step of one device, the default engine (`trace_once=True`) and `trace_once=False`, the three "
+             "models taking turns in one process (`python -m benchmarks.engine_steady`). Steady: the median "
+             "interval between a window's batch ends after its first; the ratios are speeds (higher is faster), "
+             "paired window by window.", "", head, "|---|---:|---|" + "---:|" * 8 + "---|"]
+    for r in rows:
+        steady = r["steady_s_per_step"]
+        per_replica_over_one = statistics.median(
+            one / pr for one, pr in zip(r["windows_steady_s_per_step"]["one"],
+                                         r["windows_steady_s_per_step"]["per_replica"], strict=True))
+        windows = len(r["windows_s_per_step"]["one"])
+        cells = [r["model"], str(r["devices"]), f"{windows} x {r.get('steps', '?')}",
+                 f"{steady['one']:.3f}", f"{steady['default']:.3f}", f"{steady['per_replica']:.3f}",
+                 f"**{r['steady_speed_default_over_per_replica']:.2f}x**",
+                 f"**{r['steady_speed_default_over_one_device']:.2f}x**", f"{per_replica_over_one:.2f}x",
+                 f"{r['speed_default_over_per_replica']:.2f}x",
+                 ", ".join(f"{x:.1f}" for x in r["load_average"]), r["written"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_steady", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--model", default="cnn", choices=("cnn", "resnet50"))
     parser.add_argument("--windows", type=int, default=9)
     parser.add_argument("--steps", type=int, default=4, help="steps per window (at least 3)")
+    parser.add_argument("--output-dir", help="also record the result there (benchmarks/results for the docs)")
     args = parser.parse_args(argv)
     if args.steps < 3 or args.windows < 1:
         parser.error("--steps must be at least 3 (the steady clock skips each window's first step) and --windows at least 1")
-    print(json.dumps(measure(args.devices, args.model, args.windows, args.steps)), flush=True)
+    result = measure(args.devices, args.model, args.windows, args.steps)
+    print(json.dumps(result), flush=True)
+    if args.output_dir:
+        for path in record(result, args.output_dir):
+            print("engine_steady: wrote", path, file=sys.stderr)
     return 0
 
 

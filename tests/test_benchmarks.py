@@ -517,6 +517,36 @@ def test_peers_rounds_alternate_the_stacks():
     assert [(r["stack"], r["devices"]) for r in model_parallel] == [("ours", 2), ("jax", 2)]
 
 
+def _steady_result(model, devices, default, per_replica, one):
+    windows = {"one": [one] * 3, "default": [default] * 3, "per_replica": [per_replica] * 3}
+    return {"devices": devices, "model": model, "steps": 3, "load_average": [1.0, 1.5, 2.0],
+            "median_s_per_step": {k: v[0] for k, v in windows.items()},
+            "speed_default_over_per_replica": per_replica / default,
+            "speed_default_over_one_device": one / default,
+            "steady_s_per_step": {k: v[0] for k, v in windows.items()},
+            "steady_speed_default_over_per_replica": per_replica / default,
+            "steady_speed_default_over_one_device": one / default,
+            "windows_s_per_step": windows, "windows_steady_s_per_step": windows}
+
+
+def test_engine_steady_records_one_row_per_model_and_device_count(tmp_path):
+    """A new measurement of a (model, devices) replaces its row; the others stay, in order."""
+    from benchmarks.engine_steady import record
+
+    record(_steady_result("resnet50", 4, 2.0, 1.0, 4.0), str(tmp_path))
+    record(_steady_result("cnn", 8, 0.5, 0.4, 0.2), str(tmp_path))
+    _, md_path = record(_steady_result("resnet50", 4, 1.0, 1.5, 3.0), str(tmp_path))
+    with open(tmp_path / "engine_steady.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(r["model"], r["devices"]) for r in rows] == [("cnn", 8), ("resnet50", 4)]
+    with open(md_path) as f:
+        lines = [line for line in f.read().splitlines() if line.startswith("| ")]
+    assert len(lines) == 3  # the header and two rows
+    # resnet50 at 4: steady 3.000 / 1.000 / 1.500; default 1.50x trace_once=False, 3.00x one device
+    assert lines[2].startswith("| resnet50 | 4 | 3 x 3 | 3.000 | 1.000 | 1.500 | **1.50x** | **3.00x** | 2.00x |")
+    assert lines[1].startswith("| cnn | 8 | 3 x 3 | 0.200 | 0.500 | 0.400 | **0.80x** | **0.40x** | 0.50x |")
+
+
 def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path):
     """Five runs take half an hour: a folder that is not there is said before the first starts."""
     from benchmarks import d4pg
