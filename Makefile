@@ -46,14 +46,16 @@ notebooks: $(STAMP)
 
 # Speed against stock TensorFlow, one device and the replica-work reference (small CNN, ResNet-50,
 # the small SN-GAN on 4 devices, all-reduce, batch norm, two workers); time to the first step
-# against replicas (ResNet-50, SN-GAN on 1, 2, 4, 8); then the asynchronous regime (2 workers + 1 ps
-# against the synchronous strategy, with and without a straggler), D4PG's actors and learner, and
-# the optimizer state sharded against unsharded (bytes per device, peak RSS, step time); peak RSS
-# with and without keras.RematScope; model parallelism's levers (bytes per device; peak RSS, the
-# largest model in 1 GiB per device and step time paired against replicated).
+# against replicas (ResNet-50, SN-GAN on 1, 2, 4, 8); TensorFlow's CPU kernels with oneDNN off and on;
+# then the asynchronous regime (2 workers + 1 ps against the synchronous strategy, with and
+# without a straggler), D4PG's actors and learner, and the optimizer state sharded against
+# unsharded (bytes per device, peak RSS, step time); peak RSS with and without keras.RematScope;
+# model parallelism's levers (bytes per device; peak RSS, the largest model in 1 GiB per device
+# and step time paired against replicated).
 bench: $(STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.first_step
+	$(PY) -m benchmarks.onednn
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg
 	$(PY) -m benchmarks.memory

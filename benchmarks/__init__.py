@@ -42,5 +42,6 @@ Other studies, each with its own command: ``first_step``, ``d4pg``, ``async_thro
 1 GiB per device, step time paired against replicated), ``backup_soak`` (random SIGKILLs and restarts against the crash-consistent
 backups; what the commit costs), ``peers`` (with ``peers_worker``: ours against stock
 ``MirroredStrategy`` and Keras on JAX, fresh processes, ``make bench-peers``), ``engine_steady``
-(the default engine's steady step paired against ``trace_once=False`` and one device).
+(the default engine's steady step paired against ``trace_once=False`` and one device), ``onednn``
+(TensorFlow's CPU kernels with oneDNN off and on, each in a fresh process).
 """

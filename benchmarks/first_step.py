@@ -47,7 +47,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.protocol import ROOT, emit_result, read_result
+from benchmarks.protocol import ROOT, finish_worker, read_result
 
 OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "first_step.png")
@@ -294,17 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        emit_result(run_one(json.loads(args.worker)))
-        sys.stdout.flush()
-        os._exit(0)  # skip the interpreter's teardown (see benchmarks/worker.py)
+        finish_worker(run_one(json.loads(args.worker)))
     if any(k < 1 for k in args.replicas + args.per_replica):
         parser.error("--replicas must be at least 1")
-    import platform
+    from benchmarks.machine import run_description
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "environment": f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, "
-                                          f"Python {platform.python_version()}; configurations one after the other",
+                           "environment": f"{run_description()}; configurations one after the other",
                            "models": args.models, "results": []}
     for model in args.models:
         runs = ([("one", 1)] + [("ours", k) for k in args.replicas]

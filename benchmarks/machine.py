@@ -24,6 +24,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def run_description() -> str:
+    """The CPUs, the load average now (at a run's start) and Python's version, for a table's heading."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
+
+
 def cpu_seconds() -> float | None:
     """User + system CPU time of this process and its finished children (Unix only)."""
     try:

@@ -33,6 +33,14 @@ def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def finish_worker(result: dict[str, Any]) -> None:
+    """Prints a worker's result line and ends its process at once, skipping the interpreter's
+    teardown (see ``benchmarks/worker.py``)."""
+    emit_result(result)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def read_result(lines: Iterable[str]) -> dict[str, Any] | None:
     """The last ``RESULT`` line's result in a worker's output lines, or None if there is none."""
     found = [ln for ln in lines if ln.startswith(RESULT_PREFIX)]

@@ -559,3 +559,23 @@ def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(
     finally:
         d4pg.pendulum_run = d4pg_run
     assert started == []
+
+
+def test_onednn_runs_each_setting_in_its_own_process_and_writes_its_table(tmp_path):
+    """`python -m benchmarks.onednn`: the machine's default, then oneDNN off and on, each reported
+    as TensorFlow ran it (tiny: one call of each, the small CNN on 2 devices)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.onednn", "--steps", "1", "--devices", "2",
+                           "--model", "cnn", "--output-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "onednn.json") as f:
+        doc = json.load(f)
+    by = {r["setting"]: r for r in doc["results"]}
+    assert (by["0"]["onednn"], by["1"]["onednn"]) == (False, True)
+    assert set(by["0"]["seconds"]) == set(by["1"]["seconds"]) == set(by["default"]["seconds"])
+    assert len(by["0"]["seconds"]) == 8  # 2 convolutions x 3 kernels, 2 fit steps
+    assert all(s > 0 for r in doc["results"] for s in r["seconds"].values())
+    with open(tmp_path / "onednn.md") as f:
+        rows = [line for line in f.read().splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 8 and "small CNN fit step, ReplicatorStrategy on 2 devices" in rows[-1]

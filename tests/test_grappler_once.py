@@ -118,6 +118,21 @@ def test_with_grappler_turned_off_by_the_user_nothing_is_optimised(grappler_opti
 
 
 _ITEM = re.compile(r"Starting optimization for grappler item: (\S+)")
+_PASS = re.compile(r"meta_optimizer\.cc:\d+\] ([\w-]+)(?:\{.*\})?: Graph size after")
+
+
+def _passes_by_item(log: str) -> dict[str, list[str]]:
+    """Grappler's passes in TensorFlow's log, by the item (function) they ran on."""
+    passes: dict[str, list[str]] = {}
+    item = None
+    for line in log.splitlines():
+        found = _ITEM.search(line)
+        if found:
+            item = found.group(1)
+            passes.setdefault(item, [])
+        elif item is not None and (found := _PASS.search(line)):
+            passes[item].append(found.group(1))
+    return passes
 
 
 def test_no_device_runs_grappler_on_the_replica_function():
@@ -140,3 +155,56 @@ def test_no_device_runs_grappler_on_the_replica_function():
     assert "graph_to_optimize" in items, items  # the one offline run
     per_device = [name for name in items if "replica_step" in name or "stage_fn" in name or "optimized_step" in name]
     assert per_device == [], items
+    # Keras's train function, which holds the calls: the three passes that shrink it, one round
+    # (`replica_call_options.outer_call_config`); before, every default pass, twice.
+    outer = {k: v for k, v in _passes_by_item(done.stderr).items() if k.startswith("__inference_multi_step_on_iterator")}
+    assert outer, items
+    for passes in outer.values():
+        assert passes == ["model_pruner", "common_subgraph_elimination", "dependency_optimizer"], passes
+
+
+def test_the_outer_call_keeps_grappler_where_it_does_not_apply(grappler_options):
+    from keras_replicator._compat import replica_call_options
+
+    lean = replica_call_options.outer_call_config(kr.ReplicatorStrategy())
+    assert list(lean.graph_options.rewrite_options.optimizers) == [
+        "pruning", "common_subgraph_elimination", "dependency"]
+    for strategy in (kr.ReplicatorStrategy(trace_once=False), kr.ReplicatorStrategy(devices=["/cpu:0"]),
+                     tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])):
+        assert replica_call_options.outer_call_config(strategy) is None
+    grappler_options({"disable_meta_optimizer": True})
+    assert replica_call_options.outer_call_config(kr.ReplicatorStrategy()) is None
+
+
+def test_the_outer_call_settings_reach_the_eager_call_and_not_the_calls_it_traces():
+    from tensorflow.python.eager import context
+
+    from keras_replicator._compat import replica_call_options
+
+    lean = replica_call_options.outer_call_config(kr.ReplicatorStrategy())
+    thread = context.context().function_call_options.as_attrs()["config_proto"]
+
+    def eager_config(traced_once: list[bool]) -> bytes:
+        """The config of Keras's eager call of a function whose traces went as `traced_once` says."""
+        inner = tf.function(lambda x: x + 1, experimental_attributes={"_noinline": True})  # stays a call
+        outer = tf.function(lambda x: inner(x) * 2)
+        seen = []
+
+        def keras_function(x):
+            for once in traced_once:  # what replica_trace records while the step is traced
+                replica_call_options.outer_call_traced(once)
+            seen.append(context.context().function_call_options.as_attrs()["config_proto"])
+            return outer(x)
+
+        assert float(replica_call_options._with_outer_call_config(keras_function, lean)(tf.constant(1.0))) == 4.0
+        graph_def = outer.get_concrete_function(tf.TensorSpec([], tf.float32)).graph.as_graph_def()
+        # the call traced into the function's graph: the thread's own settings, always
+        assert [n.attr["config_proto"].s for n in graph_def.node if n.op.endswith("PartitionedCall")] == [thread]
+        return seen[0]
+
+    assert eager_config([True]) == lean.SerializeToString(deterministic=True)
+    # A step traced per replica is the function's graph: every pass, as without us.
+    assert eager_config([False]) == thread
+    assert eager_config([True, False]) == thread
+    assert eager_config([]) == thread
+    assert context.context().function_call_options.as_attrs()["config_proto"] == thread  # restored

@@ -35,7 +35,7 @@ patch's guards check what it patches on whatever is installed.
 | `exhausted_step` | a traced step's `FuncGraph` (ops' inputs and control inputs, `control_outputs`, `_functions`), `Graph._create_op_internal`, `handle_data_util`; `TensorFlowTrainer.make_train_function` | installed patch, ours only, `steps_per_execution=1`: the train function's step traced once records its input-free side effects (a copy of those ops per replica), which run when a call finds the iterator exhausted, as one device's inlined step runs them | Keras 3.8-3.15, TF 2.16-2.21 |
 | `effects_before_fetch` | a traced step's `FuncGraph` (as `exhausted_step`, and `structured_outputs`), `ConcreteFunction._call_flat`, `FuncGraph.captures`, `Operation._add_control_inputs`, the `_noinline` function attribute | when `strategy.run`'s inputs come from an iterator's fetch ops in the caller's graph (a custom loop): the step traced once split in two, its input-free side effects called per replica before the fetch (control inputs of the fetch ops), the rest with the inputs, as one device's inlined step runs them on an exhausted iterator | TF 2.16-2.21 |
 | `replica_invariance` | `FuncGraph.captures`, ops' `op_def.is_stateful` | reads a traced step's graph: an `ONLY_FIRST_REPLICA` update every replica already holds is not broadcast | TF 2.16-2.21 |
-| `replica_call_options` | `context.function_call_options` (its `config_proto`) while a step traced once makes its per-device calls | set and restored around the calls: one round of Grappler's passes, no memory optimiser on CPUs, unless the user set them; the meta optimizer off for functions `grappler_once` optimised | TF 2.16-2.21 |
+| `replica_call_options` | `context.function_call_options` (its `config_proto`) while a step traced once makes its per-device calls, and while Keras calls its train or test function holding them (`TensorFlowTrainer._make_function`, stacked on `keras_xla`'s patch) | set and restored around the calls: one round of Grappler's passes, no memory optimiser on CPUs, unless the user set them; the meta optimizer off for functions `grappler_once` optimised; installed patch, ours only, CPU devices: the eager call of the function holding the calls, once its every step was traced once (`replica_trace` records it), with Grappler's pruning, common-subgraph and dependency passes alone, one round (the calls traced into its graph keep the thread's settings) | TF 2.16-2.21, Keras 3.8-3.15 |
 | `deferred_statistics` | `BaseResourceVariable._read_variable_op` / `sparse_read`, `_UnreadVariable._read_variable_op`; a mirrored variable's `_get_on_device_or_primary` | scoped patches while the one trace runs: mean-aggregated moving statistics (Keras's `assign`, via `keras_batch_norm`) written locally, all-reduced in one packed collective at the step's end or before a later read; a read in a nested graph retraces without deferring | TF 2.16-2.21 |
 | `reduce_between_calls` | `MirroredExtended._replica_ctx_all_reduce` (wrapped by `engines` while tracing once), a `ConcreteFunction`'s graph (ops' inputs and control inputs, `structured_outputs`, `_functions`) and `_call_flat` | no patch: an all-reduce of 1 MB or more in the one trace's own graph is a cut; on one machine's CPUs the trace is copied into stages (ops copied as `exhausted_step` copies them) and the caller reduces each cut between them with the engine's cross-device ops | TF 2.16-2.21 |
 | `grappler_once` | `tf_optimizer.OptimizeGraph` on a virtual cluster (`grappler.cluster.Cluster(devices=...)`), `importer.import_graph_def`, a `ConcreteFunction`'s graph (`inputs`, `outputs`, `control_outputs`), the `_noinline` and `_disable_acd` function attributes | no patch: on one machine's CPUs the function every replica calls (the trace, or each of its stages) optimised by Grappler once, offline, with the calls' settings; its calls made with the meta optimizer off (via `replica_call_options`) | TF 2.16-2.21 |
@@ -45,6 +45,7 @@ patch's guards check what it patches on whatever is installed.
 | `keras_fsdp` | `TFOptimizer._all_reduce_sum_gradients` | installed patch, acting only on variables split over the replicas (`model_parallel.fsdp`): their gradient, already reduce-scattered by `all_gather`'s, is not summed again | Keras 3.8-3.15 |
 | `sharded_checkpoints` | `TFOptimizer.save_own_variables`, `load_own_variables` (its `_variables`), `TFOptimizer._trackable_children`, `_handle_deferred_dependencies`, `TFLayer._trackable_children`; TensorFlow's `Trackable` (`_serialize_to_tensors`, `_restore_from_tensors`, `_deferred_dependencies`) | installed patch, acting only on lists and layers holding shards or their slots: Keras files and `tf.train.Checkpoint` hold each sharded variable and slot whole, at the one-device place (`model_parallel.whole_state`), restored onto any mesh by splitting | Keras 3.8-3.15, TF 2.16-2.21 |
 | `keras_backports` | `keras.Variable`'s `synchronization` keyword (Keras 3.10+), the `tf.Variable` Keras creates; `data_adapters.is_tf_dataset` (a `DistributedDatasetsFromFunction` as `fit`'s input, Keras 3.9+); `Metric.add_variable` (on-read metric variables, Keras 3.10+) | feature-detected: the keyword where Keras takes it, else a `tf.variable_creator_scope` adding it (Keras 3.8, 3.9); installed patches, ours only, where Keras lacks the feature (3.8: both; 3.9: the metrics) | Keras 3.8-3.15 |
+| `onednn` | `_pywrap_util_port.IsMklEnabled` | read: whether TensorFlow's oneDNN CPU kernels are on (the benchmarks record it) | TF 2.16-2.21 |
 | `tf_logging` | where TensorFlow's distribution modules log from (their path) | a filter on TensorFlow's public logger: their INFO lines hidden until the user raises the verbosity | TF 2.16-2.21 |
 | `short_batches` | `BaseOptimizer.scale_loss`, `LossScaleOptimizer.scale_loss`, `reduction_metrics.Mean`/`Sum.update_state`; the elements of datasets Keras's epoch iterator distributes | installed patches acting only inside a step run from a `PaddedBatch` (`ReplicatorStrategy.run`): a replica's loss weighted by its real rows, a padding replica's metric updates weigh 0 | Keras 3.8-3.15 |
 
@@ -104,6 +105,7 @@ CHECKED: dict[str, tuple[str, str, str]] = {
     "keras_fsdp": ("keras", "3.8", "3.15"),
     "sharded_checkpoints": ("tensorflow", "2.16", "2.21"),
     "tf_logging": ("tensorflow", "2.16", "2.21"),
+    "onednn": ("tensorflow", "2.16", "2.21"),
     "keras_backports": ("keras", "3.8", "3.15"),
     "replica_trace": ("tensorflow", "2.16", "2.21"),
     "replica_invariance": ("tensorflow", "2.16", "2.21"),
@@ -170,6 +172,7 @@ def _permanent():
         keras_xla,
         multi_device_iterator,
         patching,
+        replica_call_options,
         sharded_checkpoints,
         short_batches,
         tape_gradient_device,
@@ -182,6 +185,8 @@ def _permanent():
         # Every loss form Keras accepts: one device's terms, the total's gradient per replica share.
         *keras_losses.PATCHES,
         *keras_xla.PATCHES,
+        # The eager call of a train or test function holding a step traced once: lean Grappler.
+        *replica_call_options.PATCHES,
         *keras_checkpointing.PATCHES,
         *keras_optimizer.PATCHES,
         # Optimizer state sharded over the replicas (shard_optimizer_state=True).

@@ -509,6 +509,7 @@ def call_once_per_replica(extended, fn: Callable, args, kwargs, registry: Compon
 
     every = tf.function(every_replica, autograph=False, experimental_attributes={"_disable_acd": True})
     outputs = every()
+    replica_call_options.outer_call_traced(once=True)
     return distribute_utils.regroup(tuple(outputs))
 
 
@@ -569,6 +570,7 @@ def _call_for_each_replica(extended, fn: Callable, args, kwargs, registry, launc
     if reason and reason not in _logged and len(extended.worker_devices) > 1:
         _logged.add(reason)
         _log.info("The step is traced once per replica, not once for all: %s.", reason)
+    replica_call_options.outer_call_traced(once=False)
     return mirrored_run.call_for_each_replica(extended._container_strategy(), fn, args, kwargs)
 
 
@@ -580,10 +582,8 @@ def tracing_once() -> bool:
 
 
 def _why_per_replica(extended, launchers) -> str | None:
-    if not extended.trace_once:
-        return ""  # asked for: nothing to say
-    if len(extended.worker_devices) == 1:
-        return ""  # one replica: one trace already
+    if not extended.trace_once or len(extended.worker_devices) == 1:
+        return ""  # asked for, or one replica (one trace already): nothing to say
     if not ops.inside_function():
         return "it runs eagerly"
     if launchers is None:
