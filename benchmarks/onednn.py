@@ -10,7 +10,7 @@ and ``=1``. Each times, as the median of ``--steps`` calls after one:
 * the convolutions of ResNet-50's stages at 32x32 (global batch 128): a 3x3 one on 8x8x256
   maps and a 1x1 one on 2x2x512 to 2048 channels, forward, the gradient to the input
   (``Conv2DBackpropInput``) and to the filter;
-* one ``fit`` step of ``--model`` (ResNet-50 at 32x32, or the small CNN; global batch 64, SGD)
+* a ``fit`` call of one step (its epoch's start included) of ``--model`` (ResNet-50 at 32x32, or the small CNN; global batch 64, SGD)
   on one device, and of the same under ``ReplicatorStrategy`` on ``--devices`` simulated devices.
 
 Writes ``onednn.json`` and ``onednn.md`` to the output directory (``benchmarks/results``).

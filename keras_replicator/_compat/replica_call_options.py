@@ -58,6 +58,12 @@ def call_config(devices: list[str]) -> tuple[config_pb2.ConfigProto, bool]:
     return config, changed
 
 
+def _place_softly_as_tensorflow_does(ctx, config: config_pb2.ConfigProto) -> None:
+    """Soft placement unless the user chose, as TensorFlow's own function call options have it."""
+    if ctx._soft_device_placement is None:
+        config.allow_soft_placement = True
+
+
 @contextlib.contextmanager
 def grappler_settings(devices: list[str], optimized_once: bool = False) -> Iterator[None]:
     """Grappler's settings for the replica calls made meanwhile (their `config_proto`).
@@ -73,8 +79,7 @@ def grappler_settings(devices: list[str], optimized_once: bool = False) -> Itera
     if not changed:
         yield
         return
-    if ctx._soft_device_placement is None:
-        config.allow_soft_placement = True  # as TensorFlow's own call options
+    _place_softly_as_tensorflow_does(ctx, config)
     saved = ctx._thread_local_data.function_call_options
     ctx.function_call_options = context.FunctionCallOptions(
         executor_type=ctx.function_call_options.executor_type, config_proto=config)
@@ -101,7 +106,8 @@ def outer_call_config(strategy) -> config_pb2.ConfigProto | None:
     calls' functions are optimised apart). So, where every device is a CPU, with
     2 or more of them, and the user left Grappler's pass list and meta optimizer
     alone: those three passes, one round, no TFG pass (1.3 s there; the steady
-    step unchanged, the weights bitwise equal: `benchmarks/results/partial_runs.md`).
+    step paired against the default passes 0.98x-1.11x, the weights bitwise equal:
+    `benchmarks/results/partial_runs.md`).
     Applied to a call only if its function's steps were all traced once
     (`outer_call_traced`): a step traced per replica is that function's graph.
     """
@@ -120,8 +126,7 @@ def outer_call_config(strategy) -> config_pb2.ConfigProto | None:
         rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
     if "disable_tfg_optimizer" in rewrite.DESCRIPTOR.fields_by_name:
         rewrite.disable_tfg_optimizer = True  # its import and export alone: it changes nothing here
-    if ctx._soft_device_placement is None:
-        config.allow_soft_placement = True  # as TensorFlow's own call options
+    _place_softly_as_tensorflow_does(ctx, config)
     return config
 
 
