@@ -39,6 +39,7 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
     import tensorflow as tf
 
     from benchmarks.models import IMAGE_SIZE, NUM_CLASSES, build_model
+    from keras_replicator._compat import onednn
 
     batch = 64 if model == "resnet50" else 128
     rng = np.random.default_rng(0)
@@ -71,6 +72,7 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
         return statistics.median(tb / ta for ta, tb in zip(of[a], of[b], strict=True))
 
     return {"devices": devices, "model": model, "steps": steps, "load_average": os.getloadavg(),
+            "onednn": onednn.enabled(),
             "median_s_per_step": {k: statistics.median(v) for k, v in times.items()},
             "speed_default_over_per_replica": speed("default", "per_replica", times),
             "speed_default_over_one_device": speed("default", "one", times),
@@ -122,11 +124,13 @@ def table(rows: list[dict]) -> str:
     """The Markdown table of ``engine_steady.json``'s rows."""
     head = ("| model | devices | windows x steps | steady s/step: one device | default | `trace_once=False` "
             "| default / `trace_once=False` | default / one device | `trace_once=False` / one device "
-            "| whole windows: default / `trace_once=False` | load average (1, 5, 15 min) at the end | written |")
+            "| whole windows: default / `trace_once=False` | oneDNN | load average (1, 5, 15 min) at the end "
+            "| written |")
     lines = ["Steady step of one device, the default engine (`trace_once=True`) and `trace_once=False`, the three "
              "models taking turns in one process (`python -m benchmarks.engine_steady`). Steady: the median "
              "interval between a window's batch ends after its first; the ratios are speeds (higher is faster), "
-             "paired window by window.", "", head, "|---|---:|---|" + "---:|" * 8 + "---|"]
+             "paired window by window; oneDNN: whether TensorFlow's oneDNN CPU kernels ran "
+             "(`python -m benchmarks.onednn`).", "", head, "|---|---:|---|" + "---:|" * 8 + "---|---|"]
     for r in rows:
         steady = r["steady_s_per_step"]
         per_replica_over_one = statistics.median(
@@ -138,6 +142,7 @@ def table(rows: list[dict]) -> str:
                  f"**{r['steady_speed_default_over_per_replica']:.2f}x**",
                  f"**{r['steady_speed_default_over_one_device']:.2f}x**", f"{per_replica_over_one:.2f}x",
                  f"{r['speed_default_over_per_replica']:.2f}x",
+                 {True: "on", False: "off"}.get(r.get("onednn"), "not recorded"),
                  ", ".join(f"{x:.1f}" for x in r["load_average"]), r["written"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -297,10 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         finish_worker(run_one(json.loads(args.worker)))
     if any(k < 1 for k in args.replicas + args.per_replica):
         parser.error("--replicas must be at least 1")
-    from benchmarks.machine import run_description
+    from benchmarks.machine import onednn_setting, run_description
 
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "environment": f"{run_description()}; configurations one after the other",
+                           "environment": f"{run_description()}, {onednn_setting()}; configurations one after the other",
                            "models": args.models, "results": []}
     for model in args.models:
         runs = ([("one", 1)] + [("ours", k) for k in args.replicas]

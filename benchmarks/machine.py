@@ -30,6 +30,16 @@ def run_description() -> str:
     return f"{os.cpu_count()} CPUs, load average {load:.1f} at the start, Python {platform.python_version()}"
 
 
+def onednn_setting() -> str:
+    """How the run asked for TensorFlow's oneDNN CPU kernels, for a table's heading: the
+    ``TF_ENABLE_ONEDNN_OPTS`` its processes inherit, or TensorFlow's default for this CPU (on only
+    with AVX-512 or AMX: ``python -m benchmarks.onednn`` measures both)."""
+    value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    if value is None:
+        return "oneDNN as TensorFlow's default for this CPU (TF_ENABLE_ONEDNN_OPTS unset)"
+    return f"TF_ENABLE_ONEDNN_OPTS={value}"
+
+
 def cpu_seconds() -> float | None:
     """User + system CPU time of this process and its finished children (Unix only)."""
     try:

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.machine import onednn_setting
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 JAX_PYTHON = os.path.join(ROOT, ".venvs", "jax", "bin", "python")
@@ -198,11 +200,13 @@ def write(result: dict, output_dir: str) -> tuple[str, str]:
         json.dump(result, f, indent=1)
     s = result["settings"]
     loads = [r["load_average"] for r in result["records"] if "load_average" in r]
+    onednn = sorted({"on" if r["onednn"] else "off" for r in result["records"] if "onednn" in r})
     header = (f"Ours, stock `MirroredStrategy` and Keras on JAX on the same simulated CPU devices: "
               f"{s['rounds']} round(s), sizes `{s['size']}`, each run a fresh process: `fit` for "
               f"{s['warmup_epochs']} warm-up epoch then {s['epochs']} timed; medians over the rounds. "
               f"Load average (1 min) at the runs' starts: {min(loads, default=0):.1f}-"
-              f"{max(loads, default=0):.1f}. Written by `python -m benchmarks.peers` on "
+              f"{max(loads, default=0):.1f}. TensorFlow's stacks: {onednn_setting()}; oneDNN "
+              f"{' and '.join(onednn) or 'not reported'} in ours' runs. Written by `python -m benchmarks.peers` on "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n")
     with open(md_path, "w") as f:
         f.write(header + table(summary, s["stacks"], result["skipped"]))

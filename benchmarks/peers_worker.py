@@ -163,7 +163,17 @@ def run(spec: dict) -> dict:
             "epoch_s": [b - a for a, b in zip(timed, timed[1:])],
             "loss": marks["loss"][0], "weights_checksum": float(weights.sum()),
             "parameters": int(weights.size), "keras": keras.__version__,
-            "backend": keras.backend.backend()}
+            "backend": keras.backend.backend(), **_onednn(spec)}
+
+
+def _onednn(spec: dict) -> dict:
+    """Whether TensorFlow's oneDNN CPU kernels ran, for ours (stock does not import keras_replicator,
+    whose ``_compat`` holds the check; it inherits the same ``TF_ENABLE_ONEDNN_OPTS``)."""
+    if spec["stack"] != "ours":
+        return {}
+    from keras_replicator._compat import onednn
+
+    return {"onednn": onednn.enabled()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,12 @@ process for its own count.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's oneDNN CPU kernels, whatever this CPU's default: TensorFlow turns them on only on
+# CPUs with AVX-512 or AMX, and its own kernels are several times slower on the suite's
+# convolutional tests (2026-12-07, an AVX2 EPYC: two of them 462 s off, 243 s on; ResNet-50's step
+# 3.44x, benchmarks/results/onednn.md). The same kernels on every CI machine, too. Read when
+# TensorFlow starts, so set before it is imported; the processes the tests start inherit it.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # Ray's object store defaults to 30% of the machine's memory (7 GB of 24), shared memory that
 # the tests' Ray instances (a few MB of weights and transitions) never need; bounded so that Ray
 # beside the rest of the suite and other jobs fits the machine. Ray reads it when imported, and

@@ -504,6 +504,12 @@ def test_peers_section_runs_ours_and_stock_and_writes_its_table(peers_run):
     for stack in ("ours", "stock"):  # each stack at 2 devices against its own at 1
         assert math.isfinite(rows[("cnn", 2, stack)]["weights_max_difference"])
     assert "jax: skipped, no JAX venv" in table and "jax" in doc["skipped"]
+    # The oneDNN setting the TensorFlow stacks inherited (conftest sets 1 unless the caller set
+    # it), and what ours' runs found.
+    setting = os.environ["TF_ENABLE_ONEDNN_OPTS"]
+    on = setting == "1"
+    assert f"TensorFlow's stacks: TF_ENABLE_ONEDNN_OPTS={setting}; oneDNN {'on' if on else 'off'} in ours' runs." in table
+    assert all(r["onednn"] is on for r in doc["records"] if r["stack"] == "ours")
     assert table.count("\n| cnn |") == 2 and "\n| lm_mp | 2 |" in table
 
 
@@ -545,6 +551,11 @@ def test_engine_steady_records_one_row_per_model_and_device_count(tmp_path):
     # resnet50 at 4: steady 3.000 / 1.000 / 1.500; default 1.50x trace_once=False, 3.00x one device
     assert lines[2].startswith("| resnet50 | 4 | 3 x 3 | 3.000 | 1.000 | 1.500 | **1.50x** | **3.00x** | 2.00x |")
     assert lines[1].startswith("| cnn | 8 | 3 x 3 | 0.200 | 0.500 | 0.400 | **0.80x** | **0.40x** | 0.50x |")
+    # Whether oneDNN's kernels ran, as the measuring process found; a row from before: not recorded.
+    assert "| 0.80x | not recorded | 1.0, 1.5, 2.0 |" in lines[1]
+    record(dict(_steady_result("cnn", 8, 0.5, 0.4, 0.2), onednn=True), str(tmp_path))
+    with open(md_path) as f:
+        assert "| 0.80x | on | 1.0, 1.5, 2.0 |" in f.read()
 
 
 def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path):
