@@ -507,7 +507,7 @@ def test_peers_section_runs_ours_and_stock_and_writes_its_table(peers_run):
     # The oneDNN setting the TensorFlow stacks inherited (conftest sets 1 unless the caller set
     # it), and what ours' runs found.
     setting = os.environ["TF_ENABLE_ONEDNN_OPTS"]
-    on = setting == "1"
+    on = setting.lower() in ("1", "true")  # as TensorFlow reads a boolean environment variable
     assert f"TensorFlow's stacks: TF_ENABLE_ONEDNN_OPTS={setting}; oneDNN {'on' if on else 'off'} in ours' runs." in table
     assert all(r["onednn"] is on for r in doc["records"] if r["stack"] == "ours")
     assert table.count("\n| cnn |") == 2 and "\n| lm_mp | 2 |" in table
