@@ -1,11 +1,15 @@
 """The default engine's steady step against ``trace_once=False`` and one device, paired in one process.
 
-``python -m benchmarks.engine_steady [--devices 4] [--model cnn] [--windows 9] [--steps 4] [--output-dir DIR]``
+``python -m benchmarks.engine_steady [--devices 4] [--model cnn|resnet50|resnet50v2] [--windows 9] [--steps 4]
+[--output-dir DIR]``
 
-Three models live in one process on ``--devices`` simulated CPU devices and take turns, one
+Four models live in one process on ``--devices`` simulated CPU devices and take turns, one
 ``fit`` window of ``--steps`` steps at a time, their order rotating: one device without a
-strategy, ``ReplicatorStrategy()`` (the default, the step traced once) and
-``ReplicatorStrategy(trace_once=False)`` (traced per replica). Prints one JSON line: the median
+strategy, ``ReplicatorStrategy()`` (the default, the step traced once),
+``ReplicatorStrategy(trace_once=False)`` (traced per replica) and the replica-work reference (one
+device without a strategy running ``--devices`` steps at the global batch / ``--devices`` for each
+step of the others: the replicas' work with no replication cost, the best simulated replicas that
+share one CPU's cores can do; ``benchmarks/replica_work.py``). Prints one JSON line: the median
 seconds per step of each, the paired speed ratios (the median of the window-by-window ratios of
 windows measured seconds apart) and the load average. Every window is a new epoch over one
 cached dataset, as ``fit`` is called by users. With ``--output-dir`` (``benchmarks/results`` for
@@ -29,6 +33,10 @@ import statistics
 import sys
 import time
 
+# Global batch per model: ResNet50V2 at 128 as in issue 54's table; ResNet-50 at 64 as in `make bench`.
+GLOBAL_BATCH = {"cnn": 128, "resnet50": 64, "resnet50v2": 128}
+ENGINES = ("one", "default", "per_replica", "reference")
+
 
 def measure(devices: int, model: str, windows: int, steps: int) -> dict:
     import keras_replicator as kr
@@ -41,38 +49,46 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
     from benchmarks.models import IMAGE_SIZE, NUM_CLASSES, build_model
     from keras_replicator._compat import onednn
 
-    batch = 64 if model == "resnet50" else 128
+    batch = GLOBAL_BATCH[model]
     rng = np.random.default_rng(0)
     x = rng.random((batch * 4, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
     y = rng.integers(0, NUM_CLASSES, batch * 4)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat()
 
-    def make(strategy):
+    def dataset(size):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(size).cache().repeat()
+
+    def make(strategy, steps_per_execution=1):
         with strategy.scope() if strategy else contextlib.nullcontext():
             m = build_model(model)
-            m.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            m.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=steps_per_execution)
         return m
 
+    # The replica-work reference: one device, no strategy, `devices` steps at batch / devices in one
+    # execution for each step of the others, so each batch end it reports is one global batch's work.
     models = {"one": make(None), "default": make(kr.ReplicatorStrategy()),
-              "per_replica": make(kr.ReplicatorStrategy(trace_once=False))}
-    for m in models.values():  # warm-up: trace, compile, first steps
-        m.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+              "per_replica": make(kr.ReplicatorStrategy(trace_once=False)),
+              "reference": make(None, steps_per_execution=devices)}
+    data = {k: dataset(batch // devices if k == "reference" else batch) for k in models}
+    calls = {k: devices if k == "reference" else 1 for k in models}  # batches per reported step
+    for k, m in models.items():  # warm-up: trace, compile, first steps
+        m.fit(data[k], steps_per_epoch=2 * calls[k], epochs=1, verbose=0)
     times: dict[str, list[float]] = {k: [] for k in models}
     steady: dict[str, list[float]] = {k: [] for k in models}
     order = list(models)
     for w in range(windows):
-        for k in order[w % 3:] + order[:w % 3]:
+        for k in order[w % len(order):] + order[:w % len(order)]:
             clock = _batch_clock_class()()
             start = time.perf_counter()
-            models[k].fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[clock])
+            models[k].fit(data[k], steps_per_epoch=steps * calls[k], epochs=1, verbose=0, callbacks=[clock])
             times[k].append((time.perf_counter() - start) / steps)
             steady[k].append(statistics.median(b - a for a, b in zip(clock.ends[1:], clock.ends[2:])))
 
     def speed(a: str, b: str, of: dict) -> float:
         return statistics.median(tb / ta for ta, tb in zip(of[a], of[b], strict=True))
 
-    return {"devices": devices, "model": model, "steps": steps, "load_average": os.getloadavg(),
-            "onednn": onednn.enabled(),
+    return {"devices": devices, "model": model, "steps": steps, "global_batch": batch,
+            "load_average": os.getloadavg(), "onednn": onednn.enabled(),
             "median_s_per_step": {k: statistics.median(v) for k, v in times.items()},
             "speed_default_over_per_replica": speed("default", "per_replica", times),
             "speed_default_over_one_device": speed("default", "one", times),
@@ -80,6 +96,8 @@ def measure(devices: int, model: str, windows: int, steps: int) -> dict:
             "steady_s_per_step": {k: statistics.median(v) for k, v in steady.items()},
             "steady_speed_default_over_per_replica": speed("default", "per_replica", steady),
             "steady_speed_default_over_one_device": speed("default", "one", steady),
+            "steady_speed_default_over_reference": speed("default", "reference", steady),
+            "steady_speed_reference_over_one_device": speed("reference", "one", steady),
             "windows_s_per_step": times, "windows_steady_s_per_step": steady}
 
 
@@ -122,25 +140,32 @@ def record(result: dict, output_dir: str) -> tuple[str, str]:
 
 def table(rows: list[dict]) -> str:
     """The Markdown table of ``engine_steady.json``'s rows."""
-    head = ("| model | devices | windows x steps | steady s/step: one device | default | `trace_once=False` "
-            "| default / `trace_once=False` | default / one device | `trace_once=False` / one device "
+    head = ("| model | global batch | devices | windows x steps | steady s/step: one device | default "
+            "| `trace_once=False` | replica-work reference | default / `trace_once=False` | default / one device "
+            "| `trace_once=False` / one device | default / reference | reference / one device "
             "| whole windows: default / `trace_once=False` | oneDNN | load average (1, 5, 15 min) at the end "
             "| written |")
-    lines = ["Steady step of one device, the default engine (`trace_once=True`) and `trace_once=False`, the three "
-             "models taking turns in one process (`python -m benchmarks.engine_steady`). Steady: the median "
+    lines = ["Steady step of one device, the default engine (`trace_once=True`), `trace_once=False` and the "
+             "replica-work reference (one device running the replicas' work: K steps at B/K for each step), the "
+             "four models taking turns in one process (`python -m benchmarks.engine_steady`). Steady: the median "
              "interval between a window's batch ends after its first; the ratios are speeds (higher is faster), "
              "paired window by window; oneDNN: whether TensorFlow's oneDNN CPU kernels ran "
-             "(`python -m benchmarks.onednn`).", "", head, "|---|---:|---|" + "---:|" * 8 + "---|---|"]
+             "(`python -m benchmarks.onednn`); rows from before the reference joined say \"-\" for it.", "",
+             head, "|---|---:|---:|---|" + "---:|" * 11 + "---|---|"]
     for r in rows:
-        steady = r["steady_s_per_step"]
+        steady, by_window = r["steady_s_per_step"], r["windows_steady_s_per_step"]
         per_replica_over_one = statistics.median(
-            one / pr for one, pr in zip(r["windows_steady_s_per_step"]["one"],
-                                         r["windows_steady_s_per_step"]["per_replica"], strict=True))
+            one / pr for one, pr in zip(by_window["one"], by_window["per_replica"], strict=True))
         windows = len(r["windows_s_per_step"]["one"])
-        cells = [r["model"], str(r["devices"]), f"{windows} x {r.get('steps', '?')}",
+        batch = r.get("global_batch", 64 if r["model"] == "resnet50" else 128)
+        reference = "reference" in steady
+        cells = [r["model"], str(batch), str(r["devices"]), f"{windows} x {r.get('steps', '?')}",
                  f"{steady['one']:.3f}", f"{steady['default']:.3f}", f"{steady['per_replica']:.3f}",
+                 f"{steady['reference']:.3f}" if reference else "-",
                  f"**{r['steady_speed_default_over_per_replica']:.2f}x**",
                  f"**{r['steady_speed_default_over_one_device']:.2f}x**", f"{per_replica_over_one:.2f}x",
+                 f"**{r['steady_speed_default_over_reference']:.2f}x**" if reference else "-",
+                 f"{r['steady_speed_reference_over_one_device']:.2f}x" if reference else "-",
                  f"{r['speed_default_over_per_replica']:.2f}x",
                  {True: "on", False: "off"}.get(r.get("onednn"), "not recorded"),
                  ", ".join(f"{x:.1f}" for x in r["load_average"]), r["written"]]
@@ -151,7 +176,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_steady", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--model", default="cnn", choices=("cnn", "resnet50"))
+    parser.add_argument("--model", default="cnn", choices=sorted(GLOBAL_BATCH))
     parser.add_argument("--windows", type=int, default=9)
     parser.add_argument("--steps", type=int, default=4, help="steps per window (at least 3)")
     parser.add_argument("--output-dir", help="also record the result there (benchmarks/results for the docs)")

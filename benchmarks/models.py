@@ -1,4 +1,4 @@
-"""The models the benchmarks train: a small CNN, ResNet-50, its batch-norm layers alone, the SN-GAN.
+"""The models the benchmarks train: a small CNN, ResNet-50 (v1 and v2), its batch-norm layers alone, the SN-GAN.
 
 Keras is imported only inside the functions: a worker sets its devices first.
 """
@@ -43,6 +43,14 @@ def resnet50():
                                        classes=NUM_CLASSES, classifier_activation=None)
 
 
+def resnet50v2():
+    """``keras.applications.ResNet50V2`` at 32x32, untrained, logits out (the model of issue 54's steady table)."""
+    import keras
+
+    return keras.applications.ResNet50V2(weights=None, input_shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
+                                         classes=NUM_CLASSES, classifier_activation=None)
+
+
 def resnet50_batch_norm_layers(batch_norm: str):
     """ResNet-50's 53 batch-norm layers at their input shapes, with little else.
 
@@ -77,14 +85,17 @@ def build_model(name: str, batch_norm: str = "keras"):
     """``cnn``: a 4-conv CNN; ``cnn_bn``: the same with batch norm after each conv;
     ``resnet50``: ``keras.applications.ResNet50`` at 32x32 with ``batch_norm``
     (``keras``: its own plain BN; ``keras_sync``: ``synchronized=True``;
-    ``global``: converted to ``GlobalBatchNormalization``); ``resnet50_bn``:
-    ResNet-50's batch-norm layers alone (:func:`resnet50_batch_norm_layers`)."""
+    ``global``: converted to ``GlobalBatchNormalization``); ``resnet50v2``: ``ResNet50V2`` at 32x32
+    with its own batch norm; ``resnet50_bn``: ResNet-50's batch-norm layers alone
+    (:func:`resnet50_batch_norm_layers`)."""
     import keras
 
     keras.utils.set_random_seed(0)
     shape = (IMAGE_SIZE, IMAGE_SIZE, 3)
     if name == "resnet50_bn":
         return resnet50_batch_norm_layers(batch_norm)
+    if name == "resnet50v2":
+        return resnet50v2()
     if name == "resnet50":
         model = resnet50()
         if batch_norm == "global":

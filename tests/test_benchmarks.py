@@ -549,13 +549,33 @@ def test_engine_steady_records_one_row_per_model_and_device_count(tmp_path):
         lines = [line for line in f.read().splitlines() if line.startswith("| ")]
     assert len(lines) == 3  # the header and two rows
     # resnet50 at 4: steady 3.000 / 1.000 / 1.500; default 1.50x trace_once=False, 3.00x one device
-    assert lines[2].startswith("| resnet50 | 4 | 3 x 3 | 3.000 | 1.000 | 1.500 | **1.50x** | **3.00x** | 2.00x |")
-    assert lines[1].startswith("| cnn | 8 | 3 x 3 | 0.200 | 0.500 | 0.400 | **0.80x** | **0.40x** | 0.50x |")
+    # A row from before the replica-work reference joined: "-" in its columns.
+    assert lines[2].startswith("| resnet50 | 64 | 4 | 3 x 3 | 3.000 | 1.000 | 1.500 | - | **1.50x** | **3.00x** "
+                               "| 2.00x | - | - |")
+    assert lines[1].startswith("| cnn | 128 | 8 | 3 x 3 | 0.200 | 0.500 | 0.400 | - | **0.80x** | **0.40x** "
+                               "| 0.50x | - | - |")
     # Whether oneDNN's kernels ran, as the measuring process found; a row from before: not recorded.
     assert "| 0.80x | not recorded | 1.0, 1.5, 2.0 |" in lines[1]
     record(dict(_steady_result("cnn", 8, 0.5, 0.4, 0.2), onednn=True), str(tmp_path))
     with open(md_path) as f:
         assert "| 0.80x | on | 1.0, 1.5, 2.0 |" in f.read()
+
+
+def test_engine_steady_reports_the_replica_work_reference(tmp_path):
+    """With the reference measured: its s/step, default / reference and reference / one device, paired."""
+    from benchmarks.engine_steady import record
+
+    result = _steady_result("resnet50v2", 4, 1.2, 1.0, 0.6)
+    result["global_batch"] = 128
+    result["steady_s_per_step"]["reference"] = 1.0
+    result["windows_steady_s_per_step"]["reference"] = [1.0] * 3
+    result["steady_speed_default_over_reference"] = 1.0 / 1.2
+    result["steady_speed_reference_over_one_device"] = 0.6
+    _, md_path = record(result, str(tmp_path))
+    with open(md_path) as f:
+        row = [line for line in f.read().splitlines() if line.startswith("| resnet50v2")][0]
+    assert row.startswith("| resnet50v2 | 128 | 4 | 3 x 3 | 0.600 | 1.200 | 1.000 | 1.000 | **0.83x** | **0.50x** "
+                          "| 0.60x | **0.83x** | 0.60x |")
 
 
 def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path):
