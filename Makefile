@@ -54,7 +54,7 @@ notebooks: $(STAMP)
 # and step time paired against replicated).
 bench: $(STAMP)
 	$(PY) -m benchmarks
-	$(PY) -m benchmarks.first_step
+	$(PY) -m benchmarks.first_step --rounds 3 --per-replica 8
 	$(PY) -m benchmarks.onednn
 	$(PY) benchmarks/async_throughput.py --steps 300 --json benchmarks/results/async_throughput.json
 	$(PY) -m benchmarks.d4pg

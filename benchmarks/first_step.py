@@ -1,6 +1,6 @@
 """Time to the first training step against the number of replicas.
 
-``python -m benchmarks.first_step [--models resnet50 sngan] [--replicas 1 2 4 8]``
+``python -m benchmarks.first_step [--models resnet50 sngan] [--replicas 1 2 4 8] [--rounds 3]``
 
 For each model and replica count, a fresh interpreter (the simulated device
 count is fixed when TensorFlow starts) builds and compiles the model and runs
@@ -33,6 +33,12 @@ each replica count (simulated CPU devices), and ``ReplicatorStrategy(trace_once=
 (the step traced per replica, the engine before) on the ``--per-replica`` counts. Each
 row also counts the traced graph's nodes (``graph_nodes``). Writes ``first_step.json`` and
 ``first_step.md`` to the output directory and the plot to ``docs/assets/first_step.png``.
+
+With ``--rounds R``, every configuration runs R times, the order of the configurations rotating
+from round to round so that a drift in the machine's load does not fall on one of them. Each row
+is then the round whose first step is the median of its R (its phases are that round's, so they
+add up), with all R first steps beside it: one-device first steps of the same machine varied by
+up to 45% from one process to the next.
 """
 
 from __future__ import annotations
@@ -189,6 +195,26 @@ def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -
     return result
 
 
+def rotated(runs: list, round_index: int) -> list:
+    """The configurations of round ``round_index``: the list rotated by one more each round."""
+    shift = round_index % len(runs) if runs else 0
+    return runs[shift:] + runs[:shift]
+
+
+def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one configuration's rounds, the one whose first step is the median (the lower of the two
+    middle ones for an even count), with every round's first step as ``first_step_rounds``."""
+    done = [r for r in results if "error" not in r]
+    if not done:
+        return results[0]
+    ordered = sorted(done, key=lambda r: r["first_step"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["first_step_rounds"] = [r["first_step"] for r in done]
+    if len(done) < len(results):
+        chosen["failed_rounds"] = len(results) - len(done)
+    return chosen
+
+
 NAMES = {"one": "one device", "ours": "ours, traced once", "ours_per_replica": "ours, per replica"}
 # The issue's targets: the first step against one device's, by replicas; graph nodes at 8.
 FIRST_STEP_TARGETS = {4: 1.5, 8: 2.0}
@@ -225,11 +251,15 @@ def targets(doc: dict[str, Any]) -> list[str]:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The table of a run: seconds per phase, and the first step against one device's."""
+    rounds = doc.get("rounds", 1)
     lines = [f"Time to the first `fit` step (s), {doc['date']}, {doc['environment']}; "
-             "one fresh process per row.", "",
+             + ("one fresh process per row." if rounds == 1 else
+                f"{rounds} rounds, one fresh process per configuration and round, the order rotating; each row is "
+                "the round with the median first step, all rounds' first steps beside it."), "",
              "| model | strategy | replicas | prepare | trace | first call | of which Grappler "
-             "| first step | / one device | graph nodes | steady step | CPU s: prepare, trace, first call |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| first step | / one device | graph nodes | steady step | CPU s: prepare, trace, first call "
+             "| first step of each round |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for model in doc["models"]:
         rows = [r for r in doc["results"] if r["model"] == model]
         one = _one(rows)
@@ -237,15 +267,18 @@ def markdown(doc: dict[str, Any]) -> str:
             name = NAMES.get(r["strategy"], r["strategy"])
             if "error" in r:
                 lines.append(f"| {model} | {name} | {r['replicas']} | failed: "
-                             f"{r['error'].splitlines()[0][:80]} | | | | | | | | |")
+                             f"{r['error'].splitlines()[0][:80]} | | | | | | | | | |")
                 continue
             ratio = f"{r['first_step'] / one['first_step']:.2f}x" if one else "n/a"
             cpu = (", ".join(f"{r[k]:.1f}" for k in ("prepare_cpu", "trace_cpu", "first_call_cpu"))
                    if "trace_cpu" in r else "n/a")
             nodes = f"{r['nodes']:,}" if r.get("nodes") else "n/a"
+            each = ", ".join(f"{t:.1f}" for t in r.get("first_step_rounds", [r["first_step"]]))
+            if r.get("failed_rounds"):
+                each += f" ({r['failed_rounds']} failed)"
             lines.append(f"| {model} | {name} | {r['replicas']} | {r['prepare']:.1f} | {r['trace']:.1f} "
                          f"| {r['first_call']:.1f} | {r['grappler']:.1f} | **{r['first_step']:.1f}** "
-                         f"| {ratio} | {nodes} | {r['step']:.2f} | {cpu} |")
+                         f"| {ratio} | {nodes} | {r['step']:.2f} | {cpu} | {each} |")
     found = targets(doc)
     if found:
         lines += ["", "Targets:", "", *found]
@@ -290,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--per-replica", nargs="*", type=int, default=[2, 4, 8],
                         help="replica counts also measured with trace_once=False (the old engine)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each configuration; each row is the run with the median first step")
     parser.add_argument("--output-dir", default=OUTPUT_DIR)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -297,19 +332,25 @@ def main(argv: list[str] | None = None) -> int:
         finish_worker(run_one(json.loads(args.worker)))
     if any(k < 1 for k in args.replicas + args.per_replica):
         parser.error("--replicas must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    os.makedirs(args.output_dir, exist_ok=True)  # before the runs: a folder that cannot be made fails now
     from benchmarks.machine import onednn_setting, run_description
 
     doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "environment": f"{run_description()}, {onednn_setting()}; configurations one after the other",
-                           "models": args.models, "results": []}
-    for model in args.models:
-        runs = ([("one", 1)] + [("ours", k) for k in args.replicas]
-                + [("ours_per_replica", k) for k in args.per_replica])
-        for strategy, k in runs:
-            result = measure(model, strategy, k)
-            doc["results"].append(result)
+                           "models": args.models, "rounds": args.rounds, "results": []}
+    runs = [(model, strategy, k) for model in args.models
+            for strategy, k in ([("one", 1)] + [("ours", k) for k in args.replicas]
+                                + [("ours_per_replica", k) for k in args.per_replica])]
+    measured: dict[tuple, list] = {run: [] for run in runs}
+    for i in range(args.rounds):
+        for run in rotated(runs, i):
+            result = measure(*run)
+            measured[run].append(result)
             print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v)
-                              for key, v in result.items()}), flush=True)
+                              for key, v in dict(result, round=i + 1).items()}), flush=True)
+    doc["results"] = [median_round(measured[run]) for run in runs]
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "first_step.json"), "w") as f:
         json.dump(doc, f, indent=2)

@@ -610,3 +610,33 @@ def test_onednn_runs_each_setting_in_its_own_process_and_writes_its_table(tmp_pa
     with open(tmp_path / "onednn.md") as f:
         rows = [line for line in f.read().splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 8 and "small CNN fit step, ReplicatorStrategy on 2 devices" in rows[-1]
+
+
+def test_first_step_rounds_rotate_and_report_the_median_round():
+    """`first_step --rounds`: each round starts one configuration later; a row is the round with
+    the median first step (its phases that round's, so they add up), every round's beside it."""
+    from benchmarks.first_step import markdown, median_round, rotated
+
+    runs = ["a", "b", "c"]
+    assert [rotated(runs, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                    ["a", "b", "c"]]
+    phases = {"prepare": 1.0, "grappler": 1.0, "step": 0.5, "nodes": 100}
+
+    def run(strategy, replicas, first_step):
+        return dict(phases, model="sngan", strategy=strategy, replicas=replicas, first_step=first_step,
+                    trace=first_step - 3.0, first_call=2.0)
+
+    ones = [run("one", 1, t) for t in (9.0, 5.0, 7.0)]
+    chosen = median_round(ones)
+    assert chosen["first_step"] == 7.0 and chosen["trace"] == 4.0
+    assert chosen["first_step_rounds"] == [9.0, 5.0, 7.0]
+    failed = median_round([run("ours", 4, 14.0), {"model": "sngan", "strategy": "ours", "replicas": 4,
+                                                   "error": "exit 1"}])
+    assert failed["first_step"] == 14.0 and failed["failed_rounds"] == 1
+    doc = {"date": "d", "environment": "e", "models": ["sngan"], "rounds": 3,
+           "results": [chosen, median_round([run("ours", 4, t) for t in (10.5, 14.0, 12.0)])]}
+    table = markdown(doc)
+    assert "3 rounds" in table
+    assert "| sngan | ours, traced once | 4 | 1.0 | 9.0 | 2.0 | 1.0 | **12.0** | 1.71x |" in table
+    assert table.count("| 10.5, 14.0, 12.0 |") == 1 and "| 9.0, 5.0, 7.0 |" in table
+    assert "- sngan, first step on 4 replicas <= 1.5x one device's: 1.71x (not met)" in table
