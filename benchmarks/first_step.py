@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.first_step [--models resnet50 sngan] [--replicas 1 2 4 8] [--rounds 3]``
 
-For each model and replica count, a fresh interpreter (the simulated device
+Models: ``resnet50``, ``sngan`` (the default), ``cnn`` (the small CNN) and ``lm`` (the peers'
+transformer LM, ``benchmarks.peers_worker``, whose first step is the furthest from Keras on
+JAX's). For each model and replica count, a fresh interpreter (the simulated device
 count is fixed when TensorFlow starts) builds and compiles the model and runs
 ``model.fit`` for 2 steps, timing where the first step's time goes:
 
@@ -57,7 +59,8 @@ from benchmarks.protocol import ROOT, finish_worker, read_result
 
 OUTPUT_DIR = os.path.join(ROOT, "benchmarks", "results")
 DOCS_PLOT = os.path.join(ROOT, "docs", "assets", "first_step.png")
-GLOBAL_BATCH = {"resnet50": 64, "sngan": 32, "cnn": 128}
+# lm: the peers' transformer LM (benchmarks/peers_worker.py, AdamW), at its batch there.
+GLOBAL_BATCH = {"resnet50": 64, "sngan": 32, "cnn": 128, "lm": 32}
 _PASS = re.compile(r"meta_optimizer\.cc:\d+\] ([\w-]+)(?:\{.*\})?: Graph size after: .*time = ([\d.]+)ms")
 _ITEM = re.compile(r"Starting optimization for grappler item: (\S+)")
 
@@ -100,7 +103,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """In the worker process: one model, one strategy, ``fit`` for 2 steps, timed by phase."""
     from benchmarks.devices import build_in_scope, device_names, make_strategy, setup_devices
     from benchmarks.models import build_model, build_sngan
-    from benchmarks.synthetic_data import sngan_dataset, synthetic_dataset
+    from benchmarks.synthetic_data import sngan_dataset, synthetic_dataset, token_dataset
 
     setup_devices(spec["replicas"])
     import keras
@@ -111,6 +114,14 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     def build():
         if spec["model"] == "sngan":
             return build_sngan()
+        if spec["model"] == "lm":
+            from benchmarks.peers_worker import SIZES, lm
+
+            keras.utils.set_random_seed(0)
+            model = lm(keras, **SIZES["full"]["lm"])
+            model.compile(keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
         model = build_model(spec["model"])
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -120,7 +131,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_in_scope(strategy, build)
     times: dict[str, float] = {"build": time.perf_counter() - t0}
     batch = GLOBAL_BATCH[spec["model"]]
-    dataset = (sngan_dataset if spec["model"] == "sngan" else synthetic_dataset)(batch)
+    dataset = {"sngan": sngan_dataset, "lm": token_dataset}.get(spec["model"], synthetic_dataset)(batch)
     marks: dict[str, float] = {}
     cpu: dict[str, float] = {}  # the same marks in this process's CPU time
     make = model.make_train_function

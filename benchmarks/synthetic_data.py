@@ -28,6 +28,15 @@ def sngan_dataset(global_batch: int):
     return _repeated_batches(x, y, SNGAN_N_DIS * global_batch)
 
 
+def token_dataset(global_batch: int):
+    """The peers' LM data (``benchmarks.peers_worker.data``): token ids and their next tokens,
+    batched ``global_batch``."""
+    from benchmarks.peers_worker import SIZES, data
+
+    sizes = dict(SIZES["full"]["lm"], batch=global_batch, steps=4)
+    return _repeated_batches(*data("lm", sizes), global_batch)
+
+
 def _repeated_batches(x, y, batch: int):
     """``(x, y)`` repeated forever in batches of ``batch``, prefetched."""
     import tensorflow as tf
