@@ -35,7 +35,6 @@ import time
 
 # Global batch per model: ResNet50V2 at 128 as in issue 54's table; ResNet-50 at 64 as in `make bench`.
 GLOBAL_BATCH = {"cnn": 128, "resnet50": 64, "resnet50v2": 128}
-ENGINES = ("one", "default", "per_replica", "reference")
 
 
 def measure(devices: int, model: str, windows: int, steps: int) -> dict:
@@ -181,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per window (at least 3)")
     parser.add_argument("--output-dir", help="also record the result there (benchmarks/results for the docs)")
     args = parser.parse_args(argv)
+    if GLOBAL_BATCH[args.model] % args.devices:
+        parser.error(f"--devices must divide {args.model}'s global batch {GLOBAL_BATCH[args.model]} "
+                     "(the replica-work reference runs steps of global batch / devices)")
     if args.steps < 3 or args.windows < 1:
         parser.error("--steps must be at least 3 (the steady clock skips each window's first step) and --windows at least 1")
     result = measure(args.devices, args.model, args.windows, args.steps)
