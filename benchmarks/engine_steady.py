@@ -156,7 +156,7 @@ def table(rows: list[dict]) -> str:
         per_replica_over_one = statistics.median(
             one / pr for one, pr in zip(by_window["one"], by_window["per_replica"], strict=True))
         windows = len(r["windows_s_per_step"]["one"])
-        batch = r.get("global_batch", 64 if r["model"] == "resnet50" else 128)
+        batch = r.get("global_batch", GLOBAL_BATCH[r["model"]])  # rows from before it was recorded
         reference = "reference" in steady
         cells = [r["model"], str(batch), str(r["devices"]), f"{windows} x {r.get('steps', '?')}",
                  f"{steady['one']:.3f}", f"{steady['default']:.3f}", f"{steady['per_replica']:.3f}",

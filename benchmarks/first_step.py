@@ -115,13 +115,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["model"] == "sngan":
             return build_sngan()
         if spec["model"] == "lm":
-            from benchmarks.peers_worker import SIZES, lm
+            from benchmarks.peers_worker import SIZES, compiled
 
             keras.utils.set_random_seed(0)
-            model = lm(keras, **SIZES["full"]["lm"])
-            model.compile(keras.optimizers.AdamW(1e-3, weight_decay=0.01),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            return model
+            return compiled(keras, "lm", SIZES["full"]["lm"])
         model = build_model(spec["model"])
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -362,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v)
                               for key, v in dict(result, round=i + 1).items()}), flush=True)
     doc["results"] = [median_round(measured[run]) for run in runs]
-    os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "first_step.json"), "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")

@@ -58,6 +58,16 @@ def lm(keras, d: int, heads: int, ffn: int, seq: int, vocab: int, blocks: int, *
     return keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x))
 
 
+def compiled(keras, kind: str, sizes: dict):
+    """The workload's model (``cnn`` or ``lm``), compiled as every stack runs it: Adam for the
+    CNN, AdamW for the LM, sparse categorical cross-entropy on logits."""
+    model = (cnn if kind == "cnn" else lm)(keras, **sizes)
+    optimizer = (keras.optimizers.Adam(1e-3) if kind == "cnn"
+                 else keras.optimizers.AdamW(1e-3, weight_decay=0.01))
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def layout_map(keras, devices: int):
     """The attention and FFN kernels over the model axis of a (1, ``devices``) mesh."""
     mesh = keras.distribution.DeviceMesh((1, devices), ("batch", "model"),
@@ -134,10 +144,7 @@ def run(spec: dict) -> dict:
     sizes = SIZES[spec["size"]][kind]
     keras.utils.set_random_seed(0)
     with _scope(spec, keras):
-        model = (cnn if kind == "cnn" else lm)(keras, **sizes)
-        optimizer = (keras.optimizers.Adam(1e-3) if kind == "cnn"
-                     else keras.optimizers.AdamW(1e-3, weight_decay=0.01))
-        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = compiled(keras, kind, sizes)
     x, y = data(workload, sizes)
     marks: dict[str, list[float]] = {"epochs": []}
 
