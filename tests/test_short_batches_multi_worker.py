@@ -1,8 +1,10 @@
 """Batches with fewer rows than replicas on 2 workers x 2 replicas (issue 50), against one device.
 
-One job (``tests/multi_worker_job.py short``) runs the whole matrix of
-tests/short_batches_cases.py on 2 local workers (127.0.0.1) through the launcher;
-the one-device reference is computed here.
+One job (``tests/multi_worker_job.py short``) runs every row count of the families
+whose results depend on counts summed over the workers
+(`short_batches_cases.MULTI_WORKER_FAMILIES`; tests/test_short_batches.py runs every
+family on 4 replicas) on 2 local workers (127.0.0.1) through the launcher; the
+one-device reference is computed here.
 """
 
 from __future__ import annotations
