@@ -4,7 +4,7 @@ Every task runs the same command, with its own ``TF_CONFIG``::
 
     python tests/async_job.py fit    OUT_DIR   # fit/evaluate/predict/save, partitioned embedding
     python tests/async_job.py faults OUT_DIR   # long epochs: a test kills tasks meanwhile
-    python tests/async_job.py backup OUT_DIR   # 4 short epochs, a backup after each (kills in saves)
+    python tests/async_job.py backup OUT_DIR   # short epochs, a backup after each (kills in saves)
 
 On workers and parameter servers, creating the strategy serves until the chief
 ends (exit 0). The chief writes ``OUT_DIR/chief.json`` (and ``.npz``); the test
@@ -360,9 +360,9 @@ class RecordWeights(keras.callbacks.Callback):
 
 
 def backup_mode(strategy, out: str) -> dict:
-    """4 epochs of 4 steps, backed up after each; a kill during a save comes from
-    ``KERAS_REPLICATOR_KILL_AT_SAVE`` (tests/test_async_crash_consistent_backups.py), or from
-    ``KR_TEST_TEAR_SAVE=n``: the chief SIGKILLs itself as the n-th save writes the optimizer's state."""
+    """``KR_TEST_EPOCHS`` epochs (4 by default) of 4 steps, backed up after each; a kill during a
+    save comes from ``KERAS_REPLICATOR_KILL_AT_SAVE`` (tests/test_async_crash_consistent_backups.py),
+    or from ``KR_TEST_TEAR_SAVE=n``: the chief SIGKILLs itself as the n-th save writes the optimizer's state."""
     with strategy.scope():
         model = build_model()
         model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")  # momentum: optimizer state
@@ -382,7 +382,8 @@ def backup_mode(strategy, out: str) -> dict:
     progress = Progress()
     callbacks = [RecordWeights(out, "epoch"), keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
                  RecordWeights(out, "restored"), progress]
-    history = model.fit(train, epochs=4, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+    epochs = int(os.environ.get("KR_TEST_EPOCHS", "4"))
+    history = model.fit(train, epochs=epochs, steps_per_epoch=4, verbose=0, callbacks=callbacks)
     return {"epochs_run": progress.epochs, "history": history.history,
             "iterations": int(model.optimizer.iterations.numpy())}
 

@@ -1,11 +1,11 @@
 """The training job tests/test_crash_consistent_backups.py runs (not a test module).
 
-Usage: ``python tests/backup_job.py OUT_DIR [--shard] [--kill-worker W] [--checkpoint-kill N]
-[--slow-save S]``.
+Usage: ``python tests/backup_job.py OUT_DIR [--epochs E] [--shard] [--kill-worker W]
+[--checkpoint-kill N] [--slow-save S]``.
 
 One process with 2 replicas when no cluster is described, else one worker of a job
 started by ``keras-replicator launch``. It trains a small dense model (SGD with
-momentum: optimizer state) for 4 epochs of 8 steps with
+momentum: optimizer state) for 4 epochs (``--epochs E``: E) of 8 steps with
 ``keras.callbacks.BackupAndRestore(OUT_DIR/backup)``; each worker appends every step it
 runs, ``[epoch, batch]``, to ``OUT_DIR/steps.worker{i}.jsonl`` and writes its final
 weights to ``OUT_DIR/weights.worker{i}.npz``. A kill during a save comes from
@@ -119,7 +119,8 @@ def main(out_dir: str) -> None:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
         _hook_optimizer_saves(model, None if checkpoint_kill is None else int(checkpoint_kill), slow, out_dir)
-    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    model.fit(x, y, batch_size=BATCH, epochs=int(_option("--epochs", EPOCHS)), shuffle=False, verbose=0,
+              callbacks=callbacks)
     weights = {f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
     np.savez(os.path.join(out_dir, f"weights.worker{strategy.worker_index}.npz"), **weights)
     print("finished", flush=True)

@@ -6,16 +6,20 @@ stage), or from the job itself in the middle of writing a file, or from the laun
 after its grace period: never from timing. Each killed job is restarted with the same
 command and must end on the weights of an uninterrupted run of the same job, computed
 in this process on the same 2 replicas (1e-6), having redone at most one backup
-interval. Jobs run ``tests/backup_job.py`` in fresh processes on 127.0.0.1, started
-side by side; every process is killed (its whole group) in ``finally``.
+interval. The kills at each stage of a backup's save come one after the other in chains
+of starts, each start the restart after one kill and, one backup later, the next kill.
+Jobs run ``tests/backup_job.py`` in fresh processes on 127.0.0.1, started side by side;
+every process is killed (its whole group) in ``finally``.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -37,8 +41,9 @@ pytestmark = pytest.mark.devices(2)
 JOB = os.path.join(ROOT, "tests", "backup_job.py")
 EXAMPLES, BATCH, EPOCHS, STEPS = 64, 8, 4, 8  # as in the job
 ALL_STEPS = [(e, b) for e in range(EPOCHS) for b in range(STEPS)]
+KILL_AT_SAVE = "KERAS_REPLICATOR_KILL_AT_SAVE"
 # Where a save can be killed (keras_replicator.atomic_files.kill_point), in order; the kills land
-# in the second backup (the end of epoch 1): before "committed" the restart resumes from the first.
+# in a start's second backup: before "committed" the restart resumes from the first.
 STAGES = ("weights", "optimizer", "metadata", "commit", "renamed", "committed")
 
 
@@ -60,15 +65,19 @@ def _job(out_dir, *args, env) -> subprocess.Popen:
     return _start([sys.executable, JOB, str(out_dir), *args], env)
 
 
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 def _finish(process: subprocess.Popen, timeout=300) -> subprocess.CompletedProcess:
     try:
         output, _ = process.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        _kill_group(process)
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
@@ -95,11 +104,19 @@ def strategy():
 
 
 @pytest.fixture(scope="module")
-def reference(strategy) -> list[np.ndarray]:
-    """The uninterrupted run's final weights, on this process's 2 replicas."""
+def references(strategy) -> dict[int, list[np.ndarray]]:
+    """The uninterrupted run's weights after each number of epochs, on this process's 2 replicas."""
     model = _make_model(strategy)
-    _fit(model)
-    return model.get_weights()
+    after = {}
+    _fit(model, [keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: after.update({e + 1: model.get_weights()}))],
+         epochs=max(EPOCHS, CHAIN_EPOCHS))
+    return after
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[np.ndarray]:
+    """The uninterrupted run's final weights (of the job's EPOCHS epochs)."""
+    return references[EPOCHS]
 
 
 def _gap(weights, reference) -> float:
@@ -118,37 +135,83 @@ def _redone(steps) -> int:
     return sum(c - 1 for c in counts.values())
 
 
-def test_a_kill_at_each_stage_of_a_save_resumes_from_the_last_committed_backup(tmp_path, reference):
-    folders = {stage: tmp_path / stage for stage in STAGES}
-    for folder in folders.values():
-        folder.mkdir()
-    first = {s: _job(f, env=_env(KERAS_REPLICATOR_KILL_AT_SAVE=f"{s}:2")) for s, f in folders.items()}
-    killed = {s: _finish(p) for s, p in first.items()}
-    pointers = {}
-    for stage, run in killed.items():
-        assert run.returncode == -signal.SIGKILL, (stage, run.stdout[-3000:])
-        pointers[stage] = committed_backup_metadata(folders[stage] / "backup")["epoch"]
-        assert _steps(folders[stage]) == ALL_STEPS[:2 * STEPS], stage  # killed in epoch 1's backup
-    # The commit is the pointer: before it the backup of epoch 0 is the latest, after it epoch 1's.
-    assert pointers == {**dict.fromkeys(STAGES[:-1], 1), "committed": 2}, pointers
-    left = {s: sorted(os.listdir(f / "backup")) for s, f in folders.items()}
-    restarts = {s: _job(f, env=_env()) for s, f in folders.items()}
-    results = {s: _finish(p) for s, p in restarts.items()}
-    for stage, run in results.items():
-        assert run.returncode == 0, (stage, run.stdout[-3000:])
-        gap = _gap(_job_weights(folders[stage]), reference)
-        assert gap <= 1e-6, (stage, gap)
-        redone = _redone(_steps(folders[stage]))
-        assert redone == (0 if stage == "committed" else STEPS), (stage, redone)  # at most one interval
-        warned = re.findall(r"BackupAndRestore: skipped (\d) backup\(s\) that are not whole \(([^)]*)\)", run.stdout)
-        if stage == "committed":  # nothing torn: the older backup is only pruned at the next commit
-            assert warned == [], (stage, run.stdout[-3000:])
-        else:  # the interrupted save's folder, named, in one warning
-            torn = "backup-1" if stage == "renamed" else "tmp-1-"
+# The stages in chains of starts side by side: each start is the restart after the kill before it
+# and, one backup later, the next kill; after the last kill a start runs to the end. A start is
+# a process (TensorFlow's start-up is most of its cost): one per kill, and one per chain.
+CHAINS = (STAGES[:3], STAGES[3:])
+# Each start commits one backup, then is killed in the next save: a chain's backups point one epoch
+# further after each kill, two after "committed"; the last start runs the epoch after them.
+CHAIN_EPOCHS = max(len(c) + c.count("committed") for c in CHAINS) + 1
+ALL_CHAIN_STEPS = [(e, b) for e in range(CHAIN_EPOCHS) for b in range(STEPS)]
+SKIPPED = re.compile(r"BackupAndRestore: skipped (\d) backup\(s\) that are not whole \(([^)]*)\)")
+
+
+@dataclasses.dataclass
+class _Chain:
+    """One chain's folder, and what its last start left: the stage killed, the backup pointer's epoch."""
+
+    folder: pathlib.Path
+    stages: list
+    killed: str | None = None
+    pointer: int = 0
+    left: list = dataclasses.field(default_factory=list)  # the backup folder's names after the kill
+    steps_before: int = 0  # lines in its steps file before this start
+    finished: bool = False
+
+
+def _start_next(chain: _Chain) -> subprocess.Popen:
+    chain.steps_before = len(_steps(chain.folder)) if chain.killed else 0
+    kill = {KILL_AT_SAVE: f"{chain.stages[0]}:2"} if chain.stages else {}
+    return _job(chain.folder, "--epochs", str(CHAIN_EPOCHS), env=_env(**kill))
+
+
+def _check_start(chain: _Chain, run: subprocess.CompletedProcess, reference) -> None:
+    """What the chain's start just ended shows: the restart after the kill before it (if any),
+    then its own kill, or for the last start the end of training."""
+    resumed_at, steps = chain.pointer, _steps(chain.folder)[chain.steps_before:]
+    if chain.killed is not None:  # the interrupted save's folder (numbered as the pointer's epochs), in one warning
+        warned = SKIPPED.findall(run.stdout)
+        if chain.killed == "committed":  # nothing torn: the older backup is only pruned at the next commit
+            assert warned == [], (chain.killed, run.stdout[-3000:])
+        else:
+            torn = f"backup-{resumed_at}" if chain.killed == "renamed" else f"tmp-{resumed_at}-"
             assert len(warned) == 1 and warned[0][0] == "1" and f"/backup/{torn}" in warned[0][1], \
-                (stage, left[stage], run.stdout[-3000:])
-        assert not (folders[stage] / "backup").exists()  # deleted at the end of training, as Keras does
-        print(f"{stage}: left {left[stage]}, redone {redone} steps, gap {gap:.2g}")
+                (chain.killed, chain.left, run.stdout[-3000:])
+    if not chain.stages:  # the chain's last start: on to the end, on the uninterrupted run's weights
+        assert run.returncode == 0, (chain.killed, run.stdout[-3000:])
+        assert steps == ALL_CHAIN_STEPS[resumed_at * STEPS:], (chain.killed, steps)
+        gap = _gap(_job_weights(chain.folder), reference)
+        assert gap <= 1e-6, (chain.folder.name, gap)
+        assert not (chain.folder / "backup").exists()  # deleted at the end of training, as Keras does
+        print(f"{chain.folder.name}: gap {gap:.2g} after the last restart")
+        chain.finished = True
+        return
+    stage = chain.stages.pop(0)
+    assert run.returncode == -signal.SIGKILL, (stage, run.stdout[-3000:])
+    # It resumed at the last committed backup (at most one backup interval redone), and was killed
+    # in its second save.
+    assert steps == ALL_CHAIN_STEPS[resumed_at * STEPS:(resumed_at + 2) * STEPS], (chain.killed, stage, steps)
+    # The commit is the pointer: before it the start's first backup is the latest, after it its second.
+    chain.pointer = committed_backup_metadata(chain.folder / "backup")["epoch"]
+    assert chain.pointer == resumed_at + (2 if stage == "committed" else 1), (stage, resumed_at, chain.pointer)
+    chain.killed, chain.left = stage, sorted(os.listdir(chain.folder / "backup"))
+    print(f"{stage}: left {chain.left}")
+
+
+def test_a_kill_at_each_stage_of_a_save_resumes_from_the_last_committed_backup(tmp_path, references):
+    chains = [_Chain(tmp_path / f"chain{i}", list(stages)) for i, stages in enumerate(CHAINS)]
+    for chain in chains:
+        chain.folder.mkdir()
+    while going := [chain for chain in chains if not chain.finished]:
+        starts = [(chain, _start_next(chain)) for chain in going]
+        try:
+            runs = [(chain, _finish(p)) for chain, p in starts]
+        finally:  # the side-by-side starts too, if one did not end
+            for _, p in starts:
+                _kill_group(p)
+        for chain, run in runs:
+            _check_start(chain, run, references[CHAIN_EPOCHS])
+    # Every step ran: each start's steps are the ones from its chain's last commit on.
 
 
 def _interrupted(strategy, backup_dir, at_epoch: int, **backup_args) -> None:

@@ -10,6 +10,7 @@ Every process is killed (its whole group) in ``finally``.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import json
 import os
@@ -69,6 +70,7 @@ def _steps(out_dir, worker: int = 0) -> list[list[int]]:
         return [json.loads(line) for line in f]
 
 
+@functools.cache  # one fit for the module's tests (they only read it)
 def _reference_weights() -> list[np.ndarray]:
     x, y = regression_data(EXAMPLES)
     model = dense_model()
