@@ -300,8 +300,9 @@ def fresh_interpreter():
             "print(type(t).__module__, t.scaling_config.num_workers, t.scaling_config.elasticity_enabled,\n"
             "      t.scaling_config.elastic_resize_monitor_interval_s, t.run_config.failure_config.max_failures,\n"
             "      t.train_loop_config['global_batch'], ray.is_initialized())\n")
+    # A limit for a hang: the two tests' 300 s each, as it does the work of both.
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.splitlines()
 
