@@ -61,6 +61,8 @@ def regression_loop(config: dict) -> None:
 
     With ``config["kill_at_epoch"]``, worker 1 of the first attempt SIGKILLs itself at the
     beginning of that epoch (after the chief's checkpoint of the epoch before was reported).
+    Each worker's report is written at every epoch's end too (``"finished": False``, no
+    weights), so that an attempt Ray stops leaves what it did.
     """
     from keras_replicator import ray_train
 
@@ -86,6 +88,16 @@ def regression_loop(config: dict) -> None:
         model.compile(keras.optimizers.SGD(0.05), "mse")
     epochs_run: list[int] = []
     kill_at = config.get("kill_at_epoch")
+    report = ray_train.ReportCheckpoint()
+
+    def write(**fields) -> None:
+        _report(
+            config, rank, attempt,
+            worker_index=strategy.worker_index, num_workers=strategy.num_workers,
+            tf_config=json.loads(os.environ["TF_CONFIG"]), legacy_keras_env=legacy,
+            tf_keras_is_keras=tf.keras.layers.Dense is keras.layers.Dense,
+            restored_epoch=report.restored_epoch, epochs_run=epochs_run, **fields,
+        )
 
     class Record(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -94,23 +106,18 @@ def regression_loop(config: dict) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             epochs_run.append(epoch)
 
-    report = ray_train.ReportCheckpoint()
+        def on_epoch_end(self, epoch, logs=None):
+            write(finished=False)
+
     model.fit(x, y, batch_size=LAUNCHED_JOB_BATCH, epochs=config["epochs"], shuffle=False,
               verbose=0, callbacks=[report, Record()])
-    _report(
-        config, rank, attempt,
-        worker_index=strategy.worker_index, num_workers=strategy.num_workers,
-        tf_config=json.loads(os.environ["TF_CONFIG"]), legacy_keras_env=legacy,
-        tf_keras_is_keras=tf.keras.layers.Dense is keras.layers.Dense,
-        restored_epoch=report.restored_epoch, epochs_run=epochs_run,
-        weights=[w.tolist() for w in model.get_weights()],
-    )
+    write(finished=True, weights=[w.tolist() for w in model.get_weights()])
 
 
 def regression_and_ray_data_loop(config: dict) -> None:
     """`regression_loop`, then `ray_data_loop` in the same workers (one start of TensorFlow).
 
-    Then tries `AsyncReplicatorStrategy` on Ray's `TF_CONFIG` and records its error.
+    A restart (``config["kill_at_epoch"]``) runs it all from the top again. Then tries `AsyncReplicatorStrategy` on Ray's `TF_CONFIG` and records its error.
     """
     regression_loop(config)
     ray_data_loop(config)

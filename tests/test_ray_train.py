@@ -3,7 +3,7 @@
 Two workers of one CPU each; the train loops are in tests/ray_train_job.py. Checked: the same
 weights as the same job under ``keras-replicator launch`` (and one device); a worker SIGKILLed
 mid-run with ``FailureConfig(max_failures=1)`` -> every epoch runs, resumed from Ray's
-checkpoint; a Ray Data shard per worker fed to ``fit`` is seen exactly once over the job; an
+checkpoint (the same run: the launcher's comparison is of the resumed job); a Ray Data shard per worker fed to ``fit`` is seen exactly once over the job; an
 elastic run (``num_workers=(1, 2)``) on two Ray nodes shrinks to one worker when a node is
 removed and grows back when one is added, every epoch run once, from Ray's checkpoints.
 """
@@ -178,11 +178,18 @@ def _start_guide(cwd) -> _Watched:
     return _Watched([sys.executable, "-c", python_blocks("docs/ray.md")[0]], cwd, _env())
 
 
+KILL_AT_EPOCH = 2
+
+
 @pytest.fixture(scope="module")
 def run(ray, tmp_path_factory):
     """One Ray Train run: the launcher's job, then `fit` on Ray Data shards, in the same workers.
 
-    The same job under `keras-replicator launch`, and docs/ray.md's program, run alongside it.
+    Worker 1 SIGKILLs itself at the start of epoch `KILL_AT_EPOCH` of the first attempt; with
+    ``FailureConfig(max_failures=1)`` Ray starts a new group, which runs it all again from its
+    checkpoint (one run for the launcher comparison and the resume: starting a worker group is
+    what these runs cost). The same job under `keras-replicator launch`, and docs/ray.md's
+    program, run alongside it.
     """
     tmp = tmp_path_factory.mktemp("ray_run")
     launched, guide_dir = tmp / "launched", tmp / "guide"
@@ -191,8 +198,9 @@ def run(ray, tmp_path_factory):
     launcher, guide = _start_launcher(launched), _start_guide(guide_dir)
     try:
         rows = [{"x": np.array([i], np.float32), "y": np.array([0.5], np.float32)} for i in range(DATA_EXAMPLES)]
-        config = {"out": str(tmp), "epochs": EPOCHS, "data_epochs": DATA_EPOCHS, "global_batch": DATA_BATCH}
-        result = _fit(ray_train_job.regression_and_ray_data_loop, config, tmp / "storage",
+        config = {"out": str(tmp), "epochs": EPOCHS, "data_epochs": DATA_EPOCHS, "global_batch": DATA_BATCH,
+                  "kill_at_epoch": KILL_AT_EPOCH}
+        result = _fit(ray_train_job.regression_and_ray_data_loop, config, tmp / "storage", max_failures=1,
                       datasets={"train": ray.data.from_items(rows)})
     finally:
         launcher_end = launcher.finish(timeout=420)
@@ -270,67 +278,89 @@ def test_an_elastic_run_shrinks_when_a_node_goes_and_grows_when_one_comes(tmp_pa
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_the_guides_elastic_trainer_is_a_v2_elastic_one():
-    """docs/ray.md's elastic block builds Ray Train v2's trainer (Ray 2.60's default), elastic."""
-    code = ("import os\nos.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0'\n"
+@pytest.fixture(scope="module")
+def fresh_interpreter():
+    """What a fresh interpreter (no Ray imported, no loopback variable) printed, its lines in order:
+
+    the Ray modules that importing keras_replicator and ray_train imported; then, Ray imported
+    before init_local could set the loopback variable, whether Ray got initialized and the
+    refusal; then docs/ray.md's elastic block built: its trainer's module and settings. One
+    interpreter for both tests (one start of TensorFlow and Ray): building a trainer starts
+    nothing, so the refused init_local before it changes nothing of what it builds.
+    """
+    code = ("import sys, keras_replicator\nfrom keras_replicator import ray_train\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+            "import ray\n"
+            "try:\n    ray_train.init_local(num_cpus=1)\nexcept RuntimeError as e:\n"
+            "    print(ray.is_initialized(), e)\n"
             "from tests.helpers import python_blocks\n"
             "ns = {'train_loop': lambda config: None, 'dataset': None}\n"
             "exec(python_blocks('docs/ray.md')[1], ns)\n"
             "t = ns['trainer']\n"
             "print(type(t).__module__, t.scaling_config.num_workers, t.scaling_config.elasticity_enabled,\n"
             "      t.scaling_config.elastic_resize_monitor_interval_s, t.run_config.failure_config.max_failures,\n"
-            "      t.train_loop_config['global_batch'])\n")
+            "      t.train_loop_config['global_batch'], ray.is_initialized())\n")
+    # A limit for a hang: the two tests' 300 s each, as it does the work of both.
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    module, low, high, elastic, interval, failures, batch = result.stdout.split()
+    return result.stdout.splitlines()
+
+
+def test_the_guides_elastic_trainer_is_a_v2_elastic_one(fresh_interpreter):
+    """docs/ray.md's elastic block builds Ray Train v2's trainer (Ray 2.60's default), elastic."""
+    module, low, high, elastic, interval, failures, batch, started = fresh_interpreter[2].split()
     assert module == "ray.train.v2.tensorflow.tensorflow_trainer" and (low, high) == ("(1,", "4)")
     assert (elastic, float(interval), int(failures)) == ("True", 60.0, 3)
     assert all(int(batch) % workers == 0 for workers in range(1, 5))  # every size of the run
+    assert started == "False"  # building it started no Ray
 
 
 def test_two_ray_workers_train_as_the_launcher_does(run):
+    """Both attempts of the run (killed, resumed) set up like the launcher; the job ends at its weights."""
     out, result, launched, _ = run
     assert result.error is None
-    reports = _reports(out, 0)
-    for rank, report in enumerate(reports):
+    first, resumed = _reports(out, 0), _reports(out, 1)
+    for rank, report in [*enumerate(first), *enumerate(resumed)]:
         # Ray's backend gave each worker its TF_CONFIG on 127.0.0.1 and TF_USE_LEGACY_KERAS=1.
         assert report["tf_config"]["task"] == {"type": "worker", "index": rank}
         assert all(a.startswith("127.0.0.1:") for a in report["tf_config"]["cluster"]["worker"])
         assert report["worker_index"] == rank and report["num_workers"] == WORKERS
         assert report["legacy_keras_env"] == "1" and report["tf_keras_is_keras"]
-        assert report["epochs_run"] == list(range(EPOCHS)) and report["restored_epoch"] is None
-    np.testing.assert_array_equal(np.concatenate([np.ravel(w) for w in reports[0]["weights"]]),
-                                  np.concatenate([np.ravel(w) for w in reports[1]["weights"]]))
-    gap = _max_gap(reports[0]["weights"], launched)
+    # A first start restores nothing and runs from epoch 0 (up to the kill).
+    assert all(r["restored_epoch"] is None and r["epochs_run"] == list(range(KILL_AT_EPOCH)) for r in first)
+    final = resumed[0]["weights"]
+    np.testing.assert_array_equal(np.concatenate([np.ravel(w) for w in final]),
+                                  np.concatenate([np.ravel(w) for w in resumed[1]["weights"]]))
+    gap = _max_gap(final, launched)
     print(f"max |Ray - launcher| = {gap:.3g}; max |Ray - one device| = "
-          f"{_max_gap(reports[0]['weights'], _one_device_weights()):.3g}")
+          f"{_max_gap(final, _one_device_weights()):.3g}")
     assert gap <= 1e-6
-    for got, want in zip(reports[0]["weights"], _one_device_weights()):
+    for got, want in zip(final, _one_device_weights()):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     # Ray's checkpoint is the chief's last epoch: the final weights, loadable into the model.
     model = dense_model()
     model.compile(keras.optimizers.SGD(0.05), "mse")
     with result.checkpoint.as_directory() as directory:
         model.load_weights(os.path.join(directory, ray_train.WEIGHTS_FILE))
-    assert _max_gap(model.get_weights(), reports[0]["weights"]) == 0.0
+    assert _max_gap(model.get_weights(), final) == 0.0
     assert result.metrics["epoch"] == EPOCHS - 1 and result.metrics["loss"] > 0
 
 
-def test_a_killed_worker_resumes_from_the_checkpoint(ray, tmp_path):
-    out = tmp_path / "ray"
-    out.mkdir()
-    config = {"out": str(out), "epochs": EPOCHS, "kill_at_epoch": 2}
-    result = _fit(ray_train_job.regression_loop, config, tmp_path / "storage", max_failures=1)
+def test_a_killed_worker_resumes_from_the_checkpoint(run):
+    """Worker 1 SIGKILLed at the start of epoch 2 of 3, ``max_failures=1``: resumed at epoch 2."""
+    out, result, _, _ = run
     assert result.error is None
-    assert not os.path.exists(out / "attempt0.worker1.json")  # worker 1 died in the first attempt
+    # Neither worker of the first attempt finished: worker 1 died, and Ray stopped worker 0.
+    assert not any(r["finished"] for r in _reports(out, 0))
     resumed = _reports(out, 1)
     restored = resumed[0]["restored_epoch"]
     print(f"the restart resumed at epoch {restored}")
     # From the checkpoint of epoch 1, the last report before the kill: the worker waited until Ray's
     # controller had registered it (with a fixed 5 s sleep, a busy machine once resumed at epoch 0's).
-    assert restored == 2
+    assert restored == KILL_AT_EPOCH
     for report in resumed:
+        assert report["finished"]
         assert report["restored_epoch"] == restored and report["epochs_run"] == list(range(restored, EPOCHS))
     assert resumed[0]["weights"] == resumed[1]["weights"]
     gap = _max_gap(resumed[0]["weights"], _one_device_weights())
@@ -376,18 +406,8 @@ def test_the_guides_program_runs_as_written(run):
     assert mse < 0.5 * variance
 
 
-def test_keras_replicator_imports_no_ray_and_names_the_extra(monkeypatch):
-    code = ("import sys, keras_replicator\nfrom keras_replicator import ray_train\n"
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
-            "import ray\n"
-            "try:\n    ray_train.init_local(num_cpus=1)\nexcept RuntimeError as e:\n"
-            "    print(ray.is_initialized(), e)\n")
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+def test_keras_replicator_imports_no_ray_and_names_the_extra(fresh_interpreter, monkeypatch):
+    lines = fresh_interpreter
     assert lines[0] == "[]"  # importing keras_replicator and ray_train imported no Ray
     # Ray imported before init_local could set the loopback variable: refused, nothing started.
     assert lines[1].startswith("False Ray was imported before init_local()"), lines
