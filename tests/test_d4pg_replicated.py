@@ -188,9 +188,7 @@ def test_actor_restarts_after_kill_and_training_data_goes_on(local_ray):
 def test_training_writes_outputs_and_resumes(tmp_path, local_ray):
     # Both runs on the module's Ray (keep_ray; see ray_owner). test_pendulum_learns checks that
     # train stops Ray at its end without keep_ray.
-    # samples_per_insert 4: about 90 updates in the first run, 50 in the second (64 made 1,300
-    # and 800 of them, which took most of the test's time and which no check here needs).
-    kwargs = dict(actors=1, replicas=2, samples_per_insert=4.0, batch_size=32,
+    kwargs = dict(actors=1, replicas=2, samples_per_insert=64.0, batch_size=32,
                   eval_every=400, eval_episodes=1, final_eval_episodes=2, min_replay_size=200,
                   steps_per_call=100,
                   policy_layers=(16, 16, 16), critic_layers=(32, 32, 16), verbose=False, keep_ray=True)
