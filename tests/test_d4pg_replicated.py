@@ -40,50 +40,71 @@ def _batches(n, seed=0):
     }
 
 
-def _train(strategy, data, updates, **kwargs):
+def _learner(strategy, **kwargs):
     with strategy.scope():
         keras.utils.set_random_seed(3)
         learner = d4pg.D4PGLearner.create(3, [-2.0], [2.0], v_min=-50.0, v_max=50.0,
                                           policy_layers=(32, 32, 32),
                                           critic_layers=(64, 64, 32), **kwargs)
         learner.compile(learning_rate=1e-3, clip_global_norm=1.0)
-    if updates == 0:
-        return learner
+    return learner
+
+
+def _fit(learner, data, updates):
+    """`updates` more updates of `learner` on the batches of `data` (in order, from the first)."""
+    strategy = learner.distribute_strategy
     dataset = strategy.distribute_dataset(tf.data.Dataset.from_tensor_slices(data),
                                           global_batch_size=B)
     learner.fit(dataset, epochs=1, steps_per_epoch=updates, verbose=0)
     return learner
 
 
+def _train(strategy, data, updates, **kwargs):
+    return _fit(_learner(strategy, **kwargs), data, updates)
+
+
+def _weights(model):
+    return [np.array(w) for w in model.get_weights()]
+
+
 def _max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights()))
+    """The largest weight difference of two models (or lists of their weights)."""
+    a, b = (x if isinstance(x, list) else x.get_weights() for x in (a, b))
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("targets", [{"target_update_period": 3}, {"target_update_rate": 0.05}])
 def test_two_replicas_equal_one_device(targets):
     data = _batches(5)
     one = _train(kr.ReplicatorStrategy(["/cpu:0"]), data, 5, **targets)
-    two = _train(kr.ReplicatorStrategy(), data, 5, **targets)
+    two = _learner(kr.ReplicatorStrategy(), **targets)
+    initial_target_critic = _weights(two.target_critic)
+    _fit(two, data, 5)
     assert two.distribute_strategy.num_replicas_in_sync == 2
     assert int(two.updates.numpy()) == 5
     for name in ("policy", "critic", "target_policy", "target_critic"):
         assert _max_diff(getattr(one, name), getattr(two, name)) < 1e-5, name
     kr.testing.assert_replicas_identical(two)
     # The targets moved (copied at update 3, or averaged), and differ from the online nets.
-    fresh = _train(kr.ReplicatorStrategy(["/cpu:0"]), data, 0, **targets)
-    assert _max_diff(fresh.target_critic, two.target_critic) > 1e-4
+    assert _max_diff(initial_target_critic, two.target_critic) > 1e-4
     assert _max_diff(two.critic, two.target_critic) > 1e-5
 
 
 def test_periodic_target_is_the_online_copy_at_the_last_period():
     data = _batches(3)
-    at3 = _train(kr.ReplicatorStrategy(), data, 3, target_update_period=3)
+    learner = _learner(kr.ReplicatorStrategy(), target_update_period=3)
+    initial_critic = _weights(learner.critic)
+    # Two updates (batches 0 and 1), then the third (batch 2) in a second fit: the update count
+    # lives in the learner (`updates`), so the period counts across fit calls.
+    _fit(learner, {k: v[: 2 * B] for k, v in data.items()}, 2)
+    assert int(learner.updates.numpy()) == 2
+    assert _max_diff(learner.target_critic, initial_critic) == 0.0   # not copied yet
+    assert _max_diff(learner.critic, initial_critic) > 0.0
+    _fit(learner, {k: v[2 * B:] for k, v in data.items()}, 1)
     # After 3 updates with period 3 the targets are the online weights exactly.
-    assert _max_diff(at3.critic, at3.target_critic) == 0.0
-    assert _max_diff(at3.policy, at3.target_policy) == 0.0
-    at2 = _train(kr.ReplicatorStrategy(), data, 2, target_update_period=3)
-    initial = _train(kr.ReplicatorStrategy(), data, 0, target_update_period=3)
-    assert _max_diff(at2.target_critic, initial.critic) == 0.0   # not copied yet
+    assert int(learner.updates.numpy()) == 3
+    assert _max_diff(learner.critic, learner.target_critic) == 0.0
+    assert _max_diff(learner.policy, learner.target_policy) == 0.0
 
 
 @pytest.fixture(scope="module")
