@@ -87,6 +87,9 @@ def _check_restart(job: Job, killed: str | None, pointer: int, backed_up, output
     print(f"after the kill in {killed}: resumed at epoch {pointer} with {iterations} updates, as backed up")
 
 
+# Eight starts of a 3-process job in one chain: a hang limit sized for a loaded machine (one run
+# took 1057 s at a load average of 40; 600 s is pytest-timeout's default).
+@pytest.mark.timeout(2400)
 def test_a_kill_at_each_stage_of_an_async_save_resumes_from_the_last_committed_backup(tmp_path):
     """Each stage of `kill_point`, and a torn weights file, one after the other in one job."""
     job = Job(tmp_path, "backup", workers=1, ps=1, KR_TEST_FAILURE_TIMEOUT="30", KR_TEST_EPOCHS=str(EPOCHS))

@@ -198,6 +198,7 @@ def _check_start(chain: _Chain, run: subprocess.CompletedProcess, reference) -> 
     print(f"{stage}: left {chain.left}")
 
 
+@pytest.mark.timeout(1500)  # two chains of four starts; 484 s at a load average of 40
 def test_a_kill_at_each_stage_of_a_save_resumes_from_the_last_committed_backup(tmp_path, references):
     chains = [_Chain(tmp_path / f"chain{i}", list(stages)) for i, stages in enumerate(CHAINS)]
     for chain in chains:
