@@ -18,13 +18,16 @@ import keras_replicator as kr
 X = np.random.default_rng(0).normal(size=(96, 8)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(96, 2)).astype("float32")
 BATCH = 16
+# Enough variables for every one of 4 replicas to own some, for the checks that compare runs
+# rather than shares: each layer adds to the trace (per replica when sharded), not to the path.
+SHALLOW = 4
 
 
-def mlp(batch_norm=None) -> keras.Model:
-    """Twelve 8x8 layers and a head: variables of even sizes, so the shares can be even."""
+def mlp(batch_norm=None, depth=12) -> keras.Model:
+    """`depth` 8x8 layers and a head: variables of even sizes, so the shares can be even."""
     keras.utils.set_random_seed(3)
     layers = [keras.Input((8,))]
-    for _ in range(12):
+    for _ in range(depth):
         layers.append(keras.layers.Dense(8, activation="tanh"))
         if batch_norm is not None:
             layers.append(batch_norm())
@@ -32,10 +35,10 @@ def mlp(batch_norm=None) -> keras.Model:
     return keras.Sequential(layers)
 
 
-def train(strategy, make_optimizer, *, epochs=2, compile_kw=None, batch_norm=None, model=None):
+def train(strategy, make_optimizer, *, epochs=2, compile_kw=None, batch_norm=None, depth=12):
     scope = strategy.scope() if strategy is not None else _nothing()
     with scope:
-        model = model or mlp(batch_norm)
+        model = mlp(batch_norm, depth)
         model.compile(make_optimizer(), "mse", **(compile_kw or {}))
     model.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model
@@ -132,7 +135,7 @@ def test_steps_per_execution_accumulation_clipping_compression_and_batch_norm():
             accumulation_steps=2, clip_global_norm=0.5, compression="bfloat16", skip_nonfinite=True,
         )
 
-    kw = dict(compile_kw={"steps_per_execution": 3}, batch_norm=kr.layers.GlobalBatchNormalization)
+    kw = dict(compile_kw={"steps_per_execution": 3}, batch_norm=kr.layers.GlobalBatchNormalization, depth=SHALLOW)
     # Traced per replica, as the sharded step is: the same all-reduce (a collective
     # sums bfloat16 in another order, which 12 steps of batch norm carry past 1e-6).
     unsharded = train(kr.ReplicatorStrategy(trace_once=False), make, **kw)
@@ -144,7 +147,7 @@ def test_steps_per_execution_accumulation_clipping_compression_and_batch_norm():
 def test_mixed_precision_loss_scale_and_xla():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        kw = dict(compile_kw={"jit_compile": True})
+        kw = dict(compile_kw={"jit_compile": True}, depth=SHALLOW)
         unsharded = train(kr.ReplicatorStrategy(), lambda: keras.optimizers.Adam(1e-2), **kw)
         sharded = train(
             kr.ReplicatorStrategy(shard_optimizer_state=True), lambda: keras.optimizers.Adam(1e-2), **kw
@@ -186,24 +189,33 @@ def test_custom_loop_applies_the_same_updates():
                          run(kr.ReplicatorStrategy()))
 
 
-@pytest.mark.parametrize("resume_on", ["2 replicas sharded", "one device", "4 replicas unsharded"])
-def test_a_sharded_checkpoint_resumes_anywhere_to_the_uninterrupted_weights(tmp_path, resume_on):
-    def make():
-        return keras.optimizers.AdamW(1e-2, weight_decay=0.05)
+def adamw():
+    return keras.optimizers.AdamW(1e-2, weight_decay=0.05)
 
-    uninterrupted = train(kr.ReplicatorStrategy(), make, epochs=2)
-    first = train(kr.ReplicatorStrategy(shard_optimizer_state=True), make, epochs=1)
-    path = str(tmp_path / "model.keras")
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    """Two epochs unsharded, uninterrupted; and one sharded epoch, saved: what every resumption
+    below starts from and ends at (trained once: the resumptions only read them)."""
+    uninterrupted = train(kr.ReplicatorStrategy(), adamw, epochs=2, depth=SHALLOW)
+    first = train(kr.ReplicatorStrategy(shard_optimizer_state=True), adamw, epochs=1, depth=SHALLOW)
+    path = str(tmp_path_factory.mktemp("sharded_checkpoint") / "model.keras")
     first.save(path)
+    return {"uninterrupted": uninterrupted, "first": first, "path": path}
+
+
+@pytest.mark.parametrize("resume_on", ["2 replicas sharded", "one device", "4 replicas unsharded"])
+def test_a_sharded_checkpoint_resumes_anywhere_to_the_uninterrupted_weights(sharded_checkpoint, resume_on):
+    uninterrupted, first = sharded_checkpoint["uninterrupted"], sharded_checkpoint["first"]
     strategy = {
         "2 replicas sharded": kr.ReplicatorStrategy(["/cpu:0", "/cpu:1"], shard_optimizer_state=True),
         "one device": None,
         "4 replicas unsharded": kr.ReplicatorStrategy(),
     }[resume_on]
     with strategy.scope() if strategy is not None else _nothing():
-        resumed = keras.saving.load_model(path)
+        resumed = keras.saving.load_model(sharded_checkpoint["path"])
     # The whole state came back, in the unsharded layout.
-    for a, b in zip(state(resumed), state(first)):
+    for a, b in zip(state(resumed), state(first), strict=True):
         np.testing.assert_array_equal(a, b)
     resumed.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(resumed.get_weights(), uninterrupted.get_weights()):
