@@ -1,10 +1,14 @@
-"""``python -m benchmarks --quick`` runs and writes a complete, sane JSON, table and plot."""
+"""``python -m benchmarks --quick`` runs and writes a complete, sane JSON, table and plot; its
+groups, and groups past a deadline, take turns window by window; the other studies' commands."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,26 +29,54 @@ def _mtimes():
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    """``python -m benchmarks --quick``: its ``main`` in this process (the workers are processes
+    as ever), so that each group's worker results, with their windows' times, can be read too:
+    the JSON keeps only the figures."""
+    from benchmarks import rounds, runner
+
     out = tmp_path_factory.mktemp("bench")
     before = _mtimes()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("KR_TEST_DEVICES", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--output-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    groups = []  # (specs, deadline, results) of every group, as run
+    run_group = rounds.run_group
+
+    def recorded_group(specs, timeout, deadline=None, min_windows=1):
+        results = run_group(specs, timeout, deadline, min_windows=min_windows)
+        groups.append((specs, deadline, results))
+        return results
+
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        patch.setattr(rounds, "run_group", recorded_group)
+        # Each group's time limit is for hangs: sized for a loaded machine, not the quick default.
+        status = runner.main(["--quick", "--timeout", "900", "--output-dir", str(out)])
+    assert status == 0, stdout.getvalue()[-3000:]
     with open(out / "benchmarks.json") as f:
         doc = json.load(f)
-    return out, doc, before, result.stdout
+    return SimpleNamespace(out=out, doc=doc, before=before, stdout=stdout.getvalue(), groups=groups)
 
 
 def _positive(value):
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def _assert_took_turns(results, windows):
+    """Each process timed ``windows`` windows, one at a time (no two overlap), in turns whose
+    order reverses every other window (0 1 | 1 0 | 0 1 for two), so that none always goes first."""
+    from benchmarks import rounds
+
+    assert all(isinstance(r, dict) for r in results), results
+    assert [rounds.windows_taken(r) for r in results] == [windows] * len(results)
+    intervals = sorted((start, end, i) for i, r in enumerate(results)
+                       for start, end in r["window_intervals"])
+    order = list(range(len(results)))
+    assert [i for _, _, i in intervals] == [i for w in range(windows)
+                                            for i in (order if w % 2 == 0 else order[::-1])]
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+        assert end <= start  # one window at a time
+
+
 def test_json_has_every_section_and_the_environment(quick_run):
-    _, doc, _, _ = quick_run
+    doc = quick_run.doc
     assert doc["mode"] == "quick"
     for section in SECTIONS:
         assert section in doc, section
@@ -59,8 +91,26 @@ def test_json_has_every_section_and_the_environment(quick_run):
     assert {e["strategy"] for e in doc["multiworker"]} == {"stock", "ours"}
 
 
+def test_quick_run_groups_take_turns_and_every_window_without_a_deadline(quick_run):
+    """Every group of the quick run (the training and batch-norm ones, each window its own `fit`
+    call as the training groups run; the all-reduces; the two-worker runs, each pausing both of
+    its workers at the same step) times its windows in turns; with no deadline (quick mode has
+    none) every process takes all its planned windows, not just the ``min_windows``."""
+    kinds = sorted(specs[0]["kind"] for specs, _, _ in quick_run.groups)
+    assert kinds == ["allreduce", "multiworker", "train", "train"]
+    for specs, deadline, results in quick_run.groups:
+        assert deadline is None
+        windows = {int(spec["windows"]) for spec in specs}
+        assert len(windows) == 1 and len(results) >= 2, specs
+        _assert_took_turns(results, windows.pop())
+        if specs[0]["kind"] == "train":
+            assert all(spec["epoch_per_window"] for spec in specs)
+        if specs[0]["kind"] == "multiworker":
+            assert [r["replicas"] for r in results] == [2, 2]
+
+
 def test_figures_are_positive_and_finite(quick_run):
-    _, doc, _, _ = quick_run
+    doc = quick_run.doc
     for section in ("training", "batch_norm", "steps_per_execution", "multiworker"):
         assert doc[section], section
         for entry in doc[section]:
@@ -81,7 +131,7 @@ def test_figures_are_positive_and_finite(quick_run):
 def test_ours_names_the_all_reduce_inside_its_steps_and_outside(quick_run):
     """Traced once (the default), ours all-reduces in a step with TensorFlow's collective and
     outside steps with its cross_device_ops: the run names both (it once named only the latter)."""
-    _, doc, _, _ = quick_run
+    doc = quick_run.doc
     ours = [e for e in doc["training"] + doc["allreduce"]
             if e.get("strategy", e.get("impl")) == "ours" and e["devices"] > 1]
     assert ours
@@ -91,7 +141,7 @@ def test_ours_names_the_all_reduce_inside_its_steps_and_outside(quick_run):
 
 
 def test_table_and_plot_are_written(quick_run):
-    out, doc, _, stdout = quick_run
+    out, doc, stdout = quick_run.out, quick_run.doc, quick_run.stdout
     table = (out / "benchmarks.md").read_text()
     assert "Quick-mode numbers" in table  # never mistaken for a real measurement
     assert doc["environment"]["cpu_model"] in table and "ours / stock" in table
@@ -102,101 +152,39 @@ def test_table_and_plot_are_written(quick_run):
 
 
 def test_published_results_are_left_alone(quick_run):
-    _, _, before, _ = quick_run
-    assert _mtimes() == before
+    assert _mtimes() == quick_run.before
 
 
-@pytest.mark.parametrize("epoch_per_window", [False, True])
-def test_grouped_processes_take_turns_window_by_window(epoch_per_window):
-    """The processes of a group (e.g. stock and ours) warm up together but time their
-    windows one at a time, alternately: no two timed windows overlap (also when each
-    window is its own `fit` call, as the training groups run)."""
-    from benchmarks import processes
-
-    spec = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1, "global_batch": 16,
-            "steps_per_execution": 1, "warmup_steps": 1, "windows": 3, "window_steps": 2,
-            "epoch_per_window": epoch_per_window}
-    results = processes.run_group([spec, dict(spec, strategy="stock")], timeout=300)
-    assert all(isinstance(r, dict) for r in results), results
-    intervals = sorted((start, end, i) for i, r in enumerate(results)
-                       for start, end in r["window_intervals"])
-    assert len(intervals) == 6 and all(len(r["samples"]) == 3 for r in results)
-    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
-        assert end <= start  # one window at a time
-    # Order: 0 1 | 1 0 | 0 1 (reversed every other window, so neither always goes first).
-    assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
+def _past_deadline_group(kind):
+    """Two processes of ``kind``, 5 windows planned, their deadline passed before they start."""
+    if kind == "allreduce":
+        return [{"kind": "allreduce", "devices": 2, "sizes_mb": [0.25, 1], "calls_mb": 4,
+                 "impl": impl} for impl in ("stock_default", "ours")]
+    return [{"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 870,
+             "warmup_steps": 2, "window_steps": 2, "strategy": s} for s in ("stock", "ours")]
 
 
-def test_all_reduce_implementations_take_turns_too():
-    from benchmarks import processes
-
-    spec = {"kind": "allreduce", "devices": 2, "sizes_mb": [0.25, 1], "windows": 3, "calls_mb": 4}
-    results = processes.run_group([dict(spec, impl="stock_default"), dict(spec, impl="ours")],
-                                  timeout=300)
-    assert all(isinstance(r, dict) for r in results), results
-    assert all(len(r["sizes"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
-    # Small sizes: several all-reduces of distinct tensors per call (8 MB), and
-    # also timed one per call.
-    assert all(r["all_reduces_per_call"] == {"0.25": 32, "1": 8} for r in results)
-    assert all(len(r["one_per_call"][mb]["samples"]) == 3 for r in results for mb in ("0.25", "1"))
-    intervals = sorted((start, end, i) for i, r in enumerate(results)
-                       for start, end in r["window_intervals"])
-    assert [i for _, _, i in intervals] == [0, 1, 1, 0, 0, 1]
-    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
-        assert end <= start
-
-
-def test_two_worker_runs_take_turns_too():
-    """A multi-worker configuration pauses both of its workers at the same step,
-    so stock and ours time their windows one at a time as well."""
-    from benchmarks import processes
-
-    spec = {"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 240,
-            "warmup_steps": 2, "windows": 2, "window_steps": 2}
-    results = processes.run_group([dict(spec, strategy="stock"), dict(spec, strategy="ours")],
-                                  timeout=300)
-    assert all(isinstance(r, dict) for r in results), results
-    assert [r["replicas"] for r in results] == [2, 2]
-    intervals = sorted((start, end, i) for i, r in enumerate(results)
-                       for start, end in r["window_intervals"])
-    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
-    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
-        assert end <= start
-
-
-TRAIN_SPEC = {"kind": "train", "model": "cnn", "strategy": "one", "devices": 1,
-              "global_batch": 16, "steps_per_execution": 1, "warmup_steps": 1,
-              "window_steps": 2}
-
-
-@pytest.mark.parametrize("kind", ["train", "allreduce", "multiworker"])
+@pytest.mark.parametrize("kind", ["allreduce", "multiworker"])
 def test_a_group_past_its_deadline_stops_every_process_after_the_same_window(kind):
-    """Past the deadline a group takes no more windows than ``min_windows``; each
-    kind of worker then ends cleanly (no hang, a result with whole windows only)."""
+    """Past the deadline a group takes no more windows than ``min_windows`` (3 of 5), in turns,
+    one at a time; each kind of worker then ends cleanly (no hang, a result with whole windows
+    only). The training kind: the SN-GAN group below. Without a deadline every window is taken:
+    the quick run's groups."""
     import time
 
-    from benchmarks import processes, rounds
+    from benchmarks import processes
 
-    if kind == "train":
-        specs = [TRAIN_SPEC, dict(TRAIN_SPEC, strategy="stock")]
-    elif kind == "allreduce":
-        specs = [{"kind": "allreduce", "devices": 2, "sizes_mb": [0.25], "calls_mb": 4,
-                  "impl": impl} for impl in ("stock_default", "ours")]
-    else:
-        specs = [{"kind": "multiworker", "model": "cnn", "global_batch": 32, "timeout": 240,
-                  "warmup_steps": 2, "window_steps": 2, "strategy": s} for s in ("stock", "ours")]
-    specs = [dict(spec, windows=5) for spec in specs]
-    started = time.perf_counter()
-    results = processes.run_group(specs, timeout=300, deadline=started, min_windows=2)
-    assert all(isinstance(r, dict) for r in results), results
-    assert [rounds.windows_taken(r) for r in results] == [2, 2]
-    intervals = sorted((start, end, i) for i, r in enumerate(results)
-                       for start, end in r["window_intervals"])
-    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
-    # Without a deadline the same group takes all its windows.
-    if kind == "train":
-        full = processes.run_group(specs, timeout=300, deadline=None, min_windows=2)
-        assert [rounds.windows_taken(r) for r in full] == [5, 5]
+    specs = [dict(spec, windows=5) for spec in _past_deadline_group(kind)]
+    results = processes.run_group(specs, timeout=900, deadline=time.perf_counter(), min_windows=3)
+    _assert_took_turns(results, 3)
+    if kind == "allreduce":
+        # Small sizes: several all-reduces of distinct tensors per call (8 MB), and
+        # also timed one per call.
+        assert all(r["all_reduces_per_call"] == {"0.25": 32, "1": 8} for r in results)
+        assert all(len(r[series][mb]["samples"]) == 3 for r in results
+                   for series in ("sizes", "one_per_call") for mb in ("0.25", "1"))
+    else:  # a multi-worker configuration pauses both of its workers at the same step
+        assert [r["replicas"] for r in results] == [2, 2]
 
 
 def test_round_one_deadlines_leave_the_later_groups_their_time_at_the_pace_so_far(monkeypatch):
@@ -378,23 +366,24 @@ def test_the_sngan_group_is_one_device_stock_and_ours_on_the_largest_device_coun
     assert "sngan/4" in plan.EXPECTED_SECONDS
 
 
-def test_sngan_worker_times_generator_updates_taking_turns():
-    """The SN-GAN's `fit` runs in the benchmark worker on one device and on 2 replicas
-    (ours), the two timing their windows one at a time."""
+def test_sngan_worker_times_generator_updates_taking_turns_and_stops_past_its_deadline():
+    """The SN-GAN's `fit` runs in the benchmark worker on one device and on 2 replicas (ours),
+    the two timing their windows in turns, one at a time. Past the deadline (the training kind's
+    case of the test above) both stop after the same window, 3 of 5: within one `fit` call (one
+    device) and between `fit` calls, each window its own (ours), as the training groups run."""
+    import time
+
     from benchmarks import processes
 
     spec = {"kind": "train", "model": "sngan", "global_batch": 8, "steps_per_execution": 1,
-            "warmup_steps": 1, "windows": 2, "window_steps": 1, "epoch_per_window": True}
-    results = processes.run_group([dict(spec, strategy="one", devices=1),
-                                   dict(spec, strategy="ours", devices=2)], timeout=600)
-    assert all(isinstance(r, dict) for r in results), results
+            "warmup_steps": 1, "windows": 5, "window_steps": 1}
+    specs = [dict(spec, strategy="one", devices=1, epoch_per_window=False),
+             dict(spec, strategy="ours", devices=2, epoch_per_window=True)]
+    results = processes.run_group(specs, timeout=900, deadline=time.perf_counter(), min_windows=3)
+    _assert_took_turns(results, 3)
     assert [r["replicas"] for r in results] == [1, 2]
     assert results[0]["parameters"] == results[1]["parameters"] > 100_000
-    assert all(len(r["samples"]) == 2 and all(_positive(x) for x in r["samples"])
-               for r in results)
-    intervals = sorted((start, end, i) for i, r in enumerate(results)
-                       for start, end in r["window_intervals"])
-    assert [i for _, _, i in intervals] == [0, 1, 1, 0]
+    assert all(_positive(x) for r in results for x in r["samples"])
 
 
 def test_sngan_table_gives_step_times_and_says_how_stock_fails():
@@ -578,17 +567,14 @@ def test_engine_steady_reports_the_replica_work_reference(tmp_path):
                           "| 0.60x | **0.83x** | 0.60x |")
 
 
-def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path):
+def test_d4pg_pendulum_runs_refuse_a_missing_output_folder_before_the_first_run(tmp_path, monkeypatch):
     """Five runs take half an hour: a folder that is not there is said before the first starts."""
     from benchmarks import d4pg
 
     started = []
-    d4pg_run, d4pg.pendulum_run = d4pg.pendulum_run, lambda *a, **k: started.append(a)
-    try:
-        with pytest.raises(FileNotFoundError, match="does not exist"):
-            d4pg.pendulum_runs([0], str(tmp_path / "absent" / "runs.json"))
-    finally:
-        d4pg.pendulum_run = d4pg_run
+    monkeypatch.setattr(d4pg, "pendulum_run", lambda *a, **k: started.append(a))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        d4pg.pendulum_runs([0], str(tmp_path / "absent" / "runs.json"))
     assert started == []
 
 
