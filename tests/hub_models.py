@@ -87,6 +87,14 @@ def compile_causal_lm(model, learning_rate: float = 1e-2, optimizer=None) -> Non
     model.compile(optimizer=optimizer, sampler="greedy")
 
 
+def build_optimizer_slots(model) -> None:
+    """Builds a compiled one-device model's optimizer slots now, not in its first ``fit``'s trace,
+    where Keras creates them and then traces the step a second time: the same zeros, so the same
+    training, for about a quarter less of that fit's time. Only for the one-device references:
+    the replicated models create theirs as a user's do."""
+    model.optimizer.build(model.trainable_variables)
+
+
 def gemma_proto() -> bytes:
     """A SentencePiece model of the local text, trained here (Gemma's special pieces)."""
     import sentencepiece

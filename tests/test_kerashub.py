@@ -63,6 +63,7 @@ def train_both(build, fit_args: dict, preprocessed: bool = False):
     """``build()`` (it compiles) on one device and in a 4-replica strategy's scope, each fitted
     with ``fit_args``: (one-device model, its losses, replicated model, its losses)."""
     reference = build()
+    hub.build_optimizer_slots(reference)
     reference_losses = fit(reference, fit_args, preprocessed)
     strategy = kr.ReplicatorStrategy()
     assert strategy.num_replicas_in_sync == 4
@@ -99,6 +100,7 @@ def gpt2_one_device(gpt2_tokenizer):
     """The one-device reference of the GPT-2 tests (and of the 2-worker job)."""
     model = hub.gpt2_causal_lm(gpt2_tokenizer)
     hub.compile_causal_lm(model)
+    hub.build_optimizer_slots(model)
     return model, model.fit(hub.TEXT, **hub.FIT).history["loss"]
 
 
@@ -204,6 +206,7 @@ def test_masked_lm_fed_from_a_generator_counts_its_steps_as_one_device(bert_toke
 
     fit_args = dict(epochs=3, verbose=0)
     reference = hub.masked_lm(bert_tokenizer)
+    hub.build_optimizer_slots(reference)
     reference.fit(dataset(), **fit_args)
     strategy = kr.ReplicatorStrategy()
     with strategy.scope():

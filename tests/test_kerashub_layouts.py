@@ -85,6 +85,7 @@ def reference(name: str, tied: bool) -> Reference:
         x, y, sample_weight, prompts = data()
         model = hub.layout_causal_lm(name, tied)
         initial = model.get_weights()
+        hub.build_optimizer_slots(model)
         losses = model.fit(x, y, sample_weight=sample_weight, **FIT).history["loss"]
         _references[name, tied] = Reference(initial, model.get_weights(), losses, generate(model, prompts),
                                             [w.path for w in model.weights])
