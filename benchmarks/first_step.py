@@ -10,8 +10,9 @@ count is fixed when TensorFlow starts) builds and compiles the model and runs
 
 * ``prepare``: from ``fit``'s call to the first call of its train function
   (Keras's data adapter, the symbolic build of the model, the callbacks);
-* ``trace``: Python tracing of the train function (``get_concrete_function``);
-* ``first_call``: the first call of the traced function: graph optimisation
+* ``trace``: Python tracing of the train function, made by its first call as in ``fit``
+  (to the traced Python function's return);
+* ``first_call``: the rest of the first call: the traced graph made a function, graph optimisation
   (Grappler), partitioning over the devices, creating the kernels, and the step;
 * ``grappler``: the part of it (and of the input pipeline's functions) spent in
   Grappler's passes, summed from TensorFlow's own log of them
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -82,6 +84,20 @@ def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float
     return sum(per_pass.values()), dict(per_pass), dict(per_item)
 
 
+def passes_of(log: str, function_prefix: str) -> list[str]:
+    """The Grappler passes a TensorFlow log shows run on the functions named `function_prefix...`."""
+    names, item = set(), "?"
+    for line in log.splitlines():
+        found = _ITEM.search(line)
+        if found:
+            item = found.group(1)
+            continue
+        found = _PASS.search(line)
+        if found and item.startswith(function_prefix):
+            names.add(found.group(1))
+    return sorted(names)
+
+
 def _traced_function(function):
     """The `tf.function` inside Keras's train function.
 
@@ -97,6 +113,26 @@ def _traced_function(function):
             return found
         frontier = cells
     raise RuntimeError(f"no tf.function found inside the train function {function!r}")
+
+
+def _mark_trace_end(traced, marks: dict, cpu: dict) -> None:
+    """Marks the end of `traced`'s first Python trace (`marks["trace"]`), made by its first call.
+
+    The trace is made inside the train function's call, not by `get_concrete_function`
+    before it: our wrapper of that call (`replica_call_options`) chooses its Grappler
+    settings from what the call's traces found, as in `fit`. The harness's one private
+    read: `tf.function`'s `_python_function` (TF 2.16-2.21), wrapped before the first trace.
+    """
+    python_function = traced.python_function
+
+    @functools.wraps(python_function)
+    def marked(*args, **kwargs):
+        out = python_function(*args, **kwargs)
+        if "trace" not in marks:
+            marks["trace"], cpu["trace"] = time.perf_counter(), time.process_time()
+        return out
+
+    traced._python_function = marked
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -137,13 +173,12 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         make(force)
         function = model.train_function
         traced = _traced_function(function)
+        _mark_trace_end(traced, marks, cpu)
 
         def timed(iterator):
             if "trace" not in marks:
                 marks["called"], cpu["called"] = time.perf_counter(), time.process_time()
-                traced.get_concrete_function(iterator)
-                marks["trace"], cpu["trace"] = time.perf_counter(), time.process_time()
-                out = function(iterator)
+                out = function(iterator)  # traced inside the call, as in `fit`
                 marks["first_call"], cpu["first_call"] = time.perf_counter(), time.process_time()
                 marks["nodes"] = graph_nodes(traced.get_concrete_function(iterator))
                 return out
@@ -200,6 +235,8 @@ def measure(model: str, strategy: str, replicas: int, timeout: float = 1800.0) -
     result["grappler_functions"] = {k: round(v, 3) for k, v in
                                     sorted(per_item.items(), key=lambda kv: -kv[1])[:3]}
     result["instantiate"] = result["first_call"] - min(result["first_call"], total) - result["step"]
+    # Keras's train function's own graph (the calls of the step; for one device, the step)
+    result["train_function_passes"] = passes_of(proc.stderr, "__inference_multi_step_on_iterator")
     return result
 
 
