@@ -1,49 +1,43 @@
 """The replica step traced once and called on every replica's device.
 
-TensorFlow's `mirrored_run.call_for_each_replica` (used by `MirroredExtended`
-and `CollectiveAllReduceExtended`) traces the replica function once per
-replica, in a thread per replica, into one graph with N copies of the step, and
-joins the threads at every `merge_call`. Start-up then grows with the replicas
-(tensorflow/tensorflow#35346, #44698). Here the step is traced once, as replica
-0, into a `ConcreteFunction`; every replica calls it with its own inputs, its
-own variables' components and its own collective launcher, as `TPUStrategy`
-does through `tpu.replicate`.
+TensorFlow's `mirrored_run.call_for_each_replica` (used by `MirroredExtended` and
+`CollectiveAllReduceExtended`) traces the replica function once per replica, in a thread per
+replica, into one graph with N copies of the step, and joins the threads at every `merge_call`.
+Start-up then grows with the replicas (tensorflow/tensorflow#35346, #44698). Here the step is traced
+once, as replica 0, into a `ConcreteFunction`; every replica calls it with its own inputs, its own
+variables' components and its own collective launcher, as `TPUStrategy` does through
+`tpu.replicate`.
 
 What it patches or reads, checked on TensorFlow 2.21:
 
-* subclasses `mirrored_run._MirroredReplicaContext` (the replica id becomes a
-  tensor input; `all_gather` by a collective; a `merge_call` means "trace per
-  replica instead");
-* `MirroredExtended._use_merge_call` and `_get_cross_device_ops` (overridden by
-  the engines while tracing: cross-replica work takes TensorFlow's own
-  merge-call-free path, the collectives of each device's launcher, as
-  `MirroredStrategy` does under XLA on GPUs);
-* `values.apply_aggregation_replica_context` (scoped to the trace: an
-  `ONLY_FIRST_REPLICA` update such as Keras's `iterations.assign_add(1)`
-  needs no broadcast when its value is a constant or is the same on every
-  replica by its graph (`replica_invariance`: spectral normalization's `u`),
-  else it is replica 0's value, broadcast by an all-reduce);
-* `ops.Graph._apply_device_functions` (scoped to the trace: ops the step pins to
-  replica 0's device get no device, so that each call places them on its own);
-* `ConcreteFunction._call_flat(inputs, captured_inputs)`, with the captures of
-  replica 0 swapped for another replica's: variable components, launchers'
-  counters and ordering tokens;
-* the `_disable_acd` function attribute: the N calls live in one function
-  without automatic control dependencies, so that no two calls are chained
-  through a resource they share (they wait for each other in collectives);
-* `context.function_call_options` (set while the calls are made): the calls'
-  Grappler settings (`replica_call_options`; once for all on CPUs, `grappler_once`);
-* the assignments of mean-aggregated moving statistics, all-reduced together at
-  the step's end (`deferred_statistics`).
+* subclasses `mirrored_run._MirroredReplicaContext` (the replica id becomes a tensor input;
+  `all_gather` by a collective; a `merge_call` means "trace per replica instead");
+* `MirroredExtended._use_merge_call` and `_get_cross_device_ops` (overridden by the engines while
+  tracing: cross-replica work takes TensorFlow's own merge-call-free path, the collectives of each
+  device's launcher, as `MirroredStrategy` does under XLA on GPUs);
+* `values.apply_aggregation_replica_context` (scoped to the trace: an `ONLY_FIRST_REPLICA` update
+  such as Keras's `iterations.assign_add(1)` needs no broadcast when its value is a constant or is
+  the same on every replica by its graph (`replica_invariance`: spectral normalization's `u`), else
+  it is replica 0's value, broadcast by an all-reduce);
+* `ops.Graph._apply_device_functions` (scoped to the trace: ops the step pins to replica 0's device
+  get no device, so that each call places them on its own);
+* `ConcreteFunction._call_flat(inputs, captured_inputs)`, with the captures of replica 0 swapped for
+  another replica's: variable components, launchers' counters and ordering tokens;
+* the `_disable_acd` function attribute: the N calls live in one function without automatic control
+  dependencies, so that no two calls are chained through a resource they share (they wait for each
+  other in collectives);
+* `context.function_call_options` (set while the calls are made): the calls' Grappler settings
+  (`replica_call_options`; once for all on CPUs, `grappler_once`);
+* the assignments of mean-aggregated moving statistics, all-reduced together at the step's end
+  (`deferred_statistics`).
 
-A trace whose side effects include some that need no input runs them as the
-inlined step of one device does on an exhausted iterator (`effects_before_fetch`):
-before the fetch in a custom loop, else after Keras's train function failed.
+A trace whose side effects include some that need no input runs them as the inlined step of one
+device does on an exhausted iterator (`effects_before_fetch`): before the fetch in a custom loop,
+else after Keras's train function failed.
 
-What cannot be traced once falls back to TensorFlow's per-replica tracing,
-logged once with the reason: a `merge_call` this module does not replace,
-variables created in the step, per-replica inputs that are not tensors, and
-eager execution (nothing to trace).
+What cannot be traced once falls back to TensorFlow's per-replica tracing, logged once with the
+reason: a `merge_call` this module does not replace, variables created in the step, per-replica
+inputs that are not tensors, and eager execution (nothing to trace).
 """
 
 from __future__ import annotations
@@ -232,10 +226,15 @@ def _device_free(original):
     def _apply_device_functions(self, op):
         original(self, op)
         pinned = getattr(_tracing, "device", None)
-        if pinned and op.device and _in_trace(self) and device_util.canonicalize(op.device) == pinned:
+        if pinned and op.device and _in_trace(self) and _canonical(op.device) == pinned:
             op._set_device_from_string("")
 
     return _apply_device_functions
+
+
+def _canonical(device: str) -> str:  # memoised per trace: `canonicalize` lists the logical devices per call
+    names = _tracing.canonical
+    return names[device] if device in names else names.setdefault(device, device_util.canonicalize(device))
 
 
 def _same_on_every_replica(value) -> bool:
@@ -284,9 +283,9 @@ def _tracing_scope(graph, device: str, shared_capture: Callable | None) -> Itera
     """The patches of the trace; `shared_capture(t)`: whether a capture `t` is the
     same on every replica's call (None: take nothing as the same)."""
     graphs = _trace_graphs()
-    previous = {name: getattr(_tracing, name, None) for name in ("device", "graph", "shared_capture")}
+    previous = {name: getattr(_tracing, name, None) for name in ("device", "graph", "shared_capture", "canonical")}
     _tracing.graphs = graphs | {id(graph)}
-    _tracing.device = device_util.canonicalize(device)
+    _tracing.device, _tracing.canonical = device_util.canonicalize(device), {}
     _tracing.graph, _tracing.shared_capture = graph, shared_capture
     try:
         with _TRACE_PATCHES.scope(), tf.variable_creator_scope(_create_outside_the_trace):
