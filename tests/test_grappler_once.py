@@ -153,6 +153,9 @@ def test_no_device_runs_grappler_on_the_replica_function():
     assert "FIT_DONE" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
     items = _ITEM.findall(done.stderr)
     assert "graph_to_optimize" in items, items  # the one offline run
+    # without the passes that cannot change an NHWC graph without control flow on CPUs
+    once = _passes_by_item(done.stderr)["graph_to_optimize"]
+    assert "remapper" in once and not {"layout", "tfg_optimizer"} & set(once), once
     per_device = [name for name in items if "replica_step" in name or "stage_fn" in name or "optimized_step" in name]
     assert per_device == [], items
     # Keras's train function, which holds the calls: the three passes that shrink it, one round
@@ -161,6 +164,28 @@ def test_no_device_runs_grappler_on_the_replica_function():
     assert outer, items
     for passes in outer.values():
         assert passes == ["model_pruner", "common_subgraph_elimination", "dependency_optimizer"], passes
+
+
+def test_the_one_run_keeps_the_layout_and_tfg_passes_where_they_can_change_the_graph():
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from keras_replicator._compat import grappler_once
+
+    def lean(fn, *specs):
+        graph_def = tf.function(fn).get_concrete_function(*specs).graph.as_graph_def()
+        rewrite = grappler_once.without_idle_passes(config_pb2.ConfigProto(), graph_def).graph_options.rewrite_options
+        return rewrite.layout_optimizer == rewriter_config_pb2.RewriterConfig.OFF, rewrite.disable_tfg_optimizer
+
+    image = tf.TensorSpec([2, 8, 8, 3], tf.float32)
+    kernel = tf.zeros([3, 3, 3, 4])
+    assert lean(lambda x: tf.nn.conv2d(x, kernel, 1, "SAME"), image) == (True, True)
+    assert lean(lambda x: tf.nn.conv2d(x, kernel, 1, "SAME", data_format="NCHW"), tf.TensorSpec([2, 3, 8, 8]))[0] is False
+    assert lean(lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: x * 2, lambda: x), image)[1] is False
+    set_by_user = config_pb2.ConfigProto()
+    set_by_user.graph_options.rewrite_options.layout_optimizer = rewriter_config_pb2.RewriterConfig.ON
+    graph_def = tf.function(lambda x: x * 2).get_concrete_function(image).graph.as_graph_def()
+    assert grappler_once.without_idle_passes(set_by_user, graph_def).graph_options.rewrite_options.layout_optimizer \
+        == rewriter_config_pb2.RewriterConfig.ON
 
 
 def test_the_outer_call_keeps_grappler_where_it_does_not_apply(grappler_options):
