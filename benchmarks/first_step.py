@@ -67,35 +67,30 @@ _PASS = re.compile(r"meta_optimizer\.cc:\d+\] ([\w-]+)(?:\{.*\})?: Graph size af
 _ITEM = re.compile(r"Starting optimization for grappler item: (\S+)")
 
 
-def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Seconds in Grappler's passes in a TensorFlow log: the total, per pass and per function."""
-    per_pass: collections.Counter = collections.Counter()
-    per_item: collections.Counter = collections.Counter()
+def _pass_runs(log: str):
+    """(function, pass, seconds) for each pass run in a TensorFlow log of Grappler's items."""
     item = "?"
     for line in log.splitlines():
         found = _ITEM.search(line)
         if found:
             item = found.group(1)
-            continue
-        found = _PASS.search(line)
-        if found:
-            per_pass[found.group(1)] += float(found.group(2)) / 1000
-            per_item[item] += float(found.group(2)) / 1000
+        elif found := _PASS.search(line):
+            yield item, found.group(1), float(found.group(2)) / 1000
+
+
+def grappler_seconds(log: str) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Seconds in Grappler's passes in a TensorFlow log: the total, per pass and per function."""
+    per_pass: collections.Counter = collections.Counter()
+    per_item: collections.Counter = collections.Counter()
+    for item, name, seconds in _pass_runs(log):
+        per_pass[name] += seconds
+        per_item[item] += seconds
     return sum(per_pass.values()), dict(per_pass), dict(per_item)
 
 
 def passes_of(log: str, function_prefix: str) -> list[str]:
     """The Grappler passes a TensorFlow log shows run on the functions named `function_prefix...`."""
-    names, item = set(), "?"
-    for line in log.splitlines():
-        found = _ITEM.search(line)
-        if found:
-            item = found.group(1)
-            continue
-        found = _PASS.search(line)
-        if found and item.startswith(function_prefix):
-            names.add(found.group(1))
-    return sorted(names)
+    return sorted({name for item, name, _ in _pass_runs(log) if item.startswith(function_prefix)})
 
 
 def _traced_function(function):
