@@ -9,7 +9,9 @@ costs at least K times one device's step at batch B / K. This script measures th
 bound on one device, with a plain `tf.function` training step (SGD with momentum,
 constant inputs; no strategy, no `fit`):
 
-    python -m benchmarks.replica_work [--models cnn resnet50] [--repeats 10]
+    python -m benchmarks.replica_work [--models cnn resnet50 lm] [--repeats 10]
+
+(``lm``: the peers' transformer LM with its AdamW, ``benchmarks.peers_worker``, on its token data)
 
 and prints, for each model and K in 2, 4, the time of a step at B / K, K times
 it over the time of a step at B, and its inverse: the highest "replicated /
@@ -28,7 +30,7 @@ from benchmarks.models import IMAGE_SIZE, build_model
 # TensorFlow's C++ info and warnings off, as in the benchmark workers (benchmarks/worker.py).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-GLOBAL_BATCH = {"cnn": 128, "resnet50": 64}  # as in `make bench` (benchmarks/plan.py)
+GLOBAL_BATCH = {"cnn": 128, "resnet50": 64, "lm": 32}  # as in `make bench` and the peers' LM
 
 
 def step_seconds(model_name: str, batch: int, repeats: int) -> float:
@@ -37,13 +39,20 @@ def step_seconds(model_name: str, batch: int, repeats: int) -> float:
     import numpy as np
     import tensorflow as tf
 
-    model = build_model(model_name)
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-    optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(batch, IMAGE_SIZE, IMAGE_SIZE, 3)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, batch).astype("int32"))
+    if model_name == "lm":
+        from benchmarks.peers_worker import SIZES, compiled, data
+
+        model = compiled(keras, "lm", SIZES["full"]["lm"])
+        optimizer = model.optimizer  # AdamW, as the peers run it
+        x, y = (tf.constant(a) for a in data("lm", dict(SIZES["full"]["lm"], batch=batch, steps=1)))
+    else:
+        model = build_model(model_name)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.normal(size=(batch, IMAGE_SIZE, IMAGE_SIZE, 3)).astype("float32"))
+        y = tf.constant(rng.integers(0, 10, batch).astype("int32"))
+    optimizer.build(model.trainable_variables)
 
     @tf.function
     def step():

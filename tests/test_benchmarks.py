@@ -639,3 +639,10 @@ def test_first_step_times_the_trace_made_by_the_train_functions_first_call():
     assert result["train_function_passes"] == ["common_subgraph_elimination", "dependency_optimizer",
                                                "model_pruner"]
     assert 0 < result["trace"] < result["trace"] + result["first_call"] <= result["first_step"]
+
+
+def test_replica_work_times_the_peers_lm_with_its_adamw():
+    from benchmarks.replica_work import GLOBAL_BATCH, step_seconds
+
+    assert GLOBAL_BATCH["lm"] == 32  # the peers' LM batch
+    assert step_seconds("lm", 8, repeats=1) > 0
